@@ -1,0 +1,78 @@
+//! One error type for the library. Every variant that concerns a file names it, because the
+//! person reading the message usually has several model, heads and corpus files in play.
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file exists but its content is not what we can use (truncated, wrong format, ...).
+    #[error("{path}: {msg}")]
+    BadFile { path: PathBuf, msg: String },
+    /// A valid file describing something we do not support (an architecture, a tokenizer kind).
+    #[error("{path}: unsupported: {msg}")]
+    Unsupported { path: PathBuf, msg: String },
+    /// Heads whose fingerprint does not match the target model.
+    #[error("heads {heads} were trained for {heads_target}, but the model is {model_target}")]
+    HeadsMismatch { heads: PathBuf, heads_target: String, model_target: String },
+    #[error("invalid tree: {0}")]
+    InvalidTree(String),
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("chat template: {0}")]
+    Template(String),
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io { path: path.into(), source }
+    }
+    pub fn bad_file(path: impl Into<PathBuf>, msg: impl Into<String>) -> Self {
+        Error::BadFile { path: path.into(), msg: msg.into() }
+    }
+    pub fn unsupported(path: impl Into<PathBuf>, msg: impl Into<String>) -> Self {
+        Error::Unsupported { path: path.into(), msg: msg.into() }
+    }
+}
+
+/// Atomic write: write to a sibling temporary file, then rename over the target, so an
+/// interrupted run never leaves a half-written checkpoint or report behind.
+pub fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> Result<()> {
+    if let Some(dir) = path.parent() {
+        if !dir.as_os_str().is_empty() {
+            std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        }
+    }
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    std::fs::write(&tmp, bytes).map_err(|e| Error::io(&tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[test]
+    fn atomic_write_replaces_file() {
+        let dir = std::env::temp_dir().join(format!("selfspec-atomic-{}", std::process::id()));
+        let p = dir.join("a.txt");
+        write_atomic(&p, b"one").unwrap();
+        write_atomic(&p, b"two").unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"two");
+        assert!(!dir.join("a.txt.tmp").exists());
+        let e = Error::bad_file("x.gguf", "truncated");
+        assert_eq!(e.to_string(), "x.gguf: truncated");
+    }
+}

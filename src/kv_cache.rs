@@ -1,0 +1,177 @@
+//! A KV cache whose length moves only through `append`, `compact` and `truncate`.
+//!
+//! A tree step writes K/V for every drafted node; after verification only the accepted path is
+//! kept. `compact` moves those slots down next to the committed prefix, so the cache always holds
+//! exactly the tokens of the emitted text, in order, as plain decoding would have.
+use candle_core::{DType, Device, Tensor};
+
+use crate::{Error, Result};
+
+struct LayerKv {
+    /// `[capacity, kv_heads, head_dim]`; slots `>= len` are scratch.
+    k: Tensor,
+    v: Tensor,
+}
+
+pub struct KvCache {
+    layers: Vec<LayerKv>,
+    len: usize,
+    /// Slots written by the layers of the forward in flight, not yet committed by `append`.
+    pending: usize,
+    capacity: usize,
+    max_len: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    device: Device,
+}
+
+impl KvCache {
+    /// `max_len` is the model's context: the cache never grows past it.
+    pub fn new(num_layers: usize, kv_heads: usize, head_dim: usize, max_len: usize, device: &Device) -> Result<Self> {
+        let capacity = 256.min(max_len.max(1));
+        let mut layers = Vec::with_capacity(num_layers);
+        for _ in 0..num_layers {
+            layers.push(LayerKv {
+                k: Tensor::zeros((capacity, kv_heads, head_dim), DType::F32, device)?,
+                v: Tensor::zeros((capacity, kv_heads, head_dim), DType::F32, device)?,
+            });
+        }
+        Ok(KvCache { layers, len: 0, pending: 0, capacity, max_len, kv_heads, head_dim, device: device.clone() })
+    }
+
+    /// Committed tokens.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn max_len(&self) -> usize {
+        self.max_len
+    }
+
+    fn ensure_capacity(&mut self, needed: usize) -> Result<()> {
+        if needed > self.max_len {
+            return Err(Error::InvalidArgument(format!(
+                "context overflow: {needed} tokens needed, the model's context is {}",
+                self.max_len
+            )));
+        }
+        if needed <= self.capacity {
+            return Ok(());
+        }
+        let cap = (self.capacity * 2).max(needed).min(self.max_len);
+        for l in self.layers.iter_mut() {
+            for t in [&mut l.k, &mut l.v] {
+                let grown = Tensor::zeros((cap, self.kv_heads, self.head_dim), DType::F32, &self.device)?;
+                grown.slice_set(t, 0, 0)?;
+                *t = grown;
+            }
+        }
+        self.capacity = cap;
+        Ok(())
+    }
+
+    /// Check that `t` new tokens fit, before a forward starts writing them.
+    pub fn reserve(&mut self, t: usize) -> Result<()> {
+        self.ensure_capacity(self.len + t)
+    }
+
+    /// Write layer `layer`'s K/V for the `t` new tokens (`[t, kv_heads, head_dim]`) after the
+    /// committed prefix and return the K/V of prefix plus new tokens. The length moves only when
+    /// the whole forward is done (`append`).
+    pub fn write(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let t = k.dim(0)?;
+        self.ensure_capacity(self.len + t)?;
+        let l = &self.layers[layer];
+        l.k.slice_set(&k.contiguous()?, 0, self.len)?;
+        l.v.slice_set(&v.contiguous()?, 0, self.len)?;
+        self.pending = t;
+        Ok((l.k.narrow(0, 0, self.len + t)?, l.v.narrow(0, 0, self.len + t)?))
+    }
+
+    /// Commit the `t` tokens the last forward wrote.
+    pub fn append(&mut self, t: usize) -> Result<()> {
+        if t != self.pending {
+            return Err(Error::InvalidArgument(format!("append({t}) but the last forward wrote {} slots", self.pending)));
+        }
+        self.len += t;
+        self.pending = 0;
+        Ok(())
+    }
+
+    /// Keep only the slots in `keep` (absolute, strictly increasing, all `>= start`), moved down to
+    /// `start, start+1, ...`; everything after is dropped. Used after a tree step with
+    /// `start` = the committed length before the step and `keep` = the accepted path's slots.
+    pub fn compact(&mut self, start: usize, keep: &[usize]) -> Result<()> {
+        if start > self.len {
+            return Err(Error::InvalidArgument(format!("compact start {start} beyond length {}", self.len)));
+        }
+        let mut prev = None;
+        for &s in keep {
+            if s < start || s >= self.len || prev.is_some_and(|p| s <= p) {
+                return Err(Error::InvalidArgument(format!(
+                    "compact: slots {keep:?} must increase and lie in {start}..{}",
+                    self.len
+                )));
+            }
+            prev = Some(s);
+        }
+        let contiguous_already = keep.iter().enumerate().all(|(i, &s)| s == start + i);
+        if !contiguous_already && !keep.is_empty() {
+            let idx: Vec<u32> = keep.iter().map(|&s| s as u32).collect();
+            let idx = Tensor::new(idx.as_slice(), &self.device)?;
+            for l in self.layers.iter() {
+                for t in [&l.k, &l.v] {
+                    let rows = t.index_select(&idx, 0)?;
+                    t.slice_set(&rows, 0, start)?;
+                }
+            }
+        }
+        self.len = start + keep.len();
+        Ok(())
+    }
+
+    /// Drop everything after the first `n` tokens.
+    pub fn truncate(&mut self, n: usize) {
+        self.len = self.len.min(n);
+        self.pending = 0;
+    }
+
+    /// The committed K/V of one layer (`[len, kv_heads, head_dim]`), for tests and inspection.
+    pub fn layer(&self, layer: usize) -> Result<(Tensor, Tensor)> {
+        let l = &self.layers[layer];
+        Ok((l.k.narrow(0, 0, self.len)?, l.v.narrow(0, 0, self.len)?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows(c: &KvCache) -> Vec<f32> {
+        c.layer(0).unwrap().0.flatten_all().unwrap().to_vec1().unwrap()
+    }
+
+    #[test]
+    fn append_compact_truncate_and_grow() {
+        let dev = Device::Cpu;
+        let mut c = KvCache::new(1, 1, 1, 1000, &dev).unwrap();
+        let k = Tensor::arange(0f32, 300f32, &dev).unwrap().reshape((300, 1, 1)).unwrap();
+        c.write(0, &k, &k).unwrap();
+        c.append(300).unwrap();
+        assert_eq!(c.len(), 300);
+        assert!(c.append(1).is_err());
+        c.truncate(5);
+        assert_eq!(rows(&c), vec![0., 1., 2., 3., 4.]);
+        let t = Tensor::new(&[10f32, 11., 12., 13.], &dev).unwrap().reshape((4, 1, 1)).unwrap();
+        c.write(0, &t, &t).unwrap();
+        c.append(4).unwrap();
+        c.compact(5, &[5, 7, 8]).unwrap();
+        assert_eq!(rows(&c), vec![0., 1., 2., 3., 4., 10., 12., 13.]);
+        assert!(c.compact(5, &[7, 6]).is_err());
+        assert!(c.compact(5, &[4]).is_err());
+        let mut small = KvCache::new(1, 1, 1, 3, &dev).unwrap();
+        assert!(small.reserve(4).is_err());
+    }
+}

@@ -1,0 +1,16 @@
+//! selfspec: self-speculative decoding with Medusa-style draft heads and exact tree verification.
+//!
+//! Data flows one way: [`loader`] builds a [`loader::Target`] (a [`model::Llama`] plus tokenizer),
+//! [`generate`] decodes plainly, and the speculative modules build on the same forward.
+pub mod bench;
+pub mod error;
+pub mod fixtures;
+pub mod generate;
+pub mod kernels;
+pub mod kv_cache;
+pub mod loader;
+pub mod model;
+pub mod sampling;
+pub mod tokenizer;
+
+pub use error::{Error, Result};

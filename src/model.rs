@@ -1,0 +1,332 @@
+//! The target model: a Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) built from candle
+//! pieces, with what speculation needs and candle-transformers' models do not offer: explicit
+//! per-token positions, a tree attention mask, a compactable KV cache, and the final hidden
+//! states returned next to (not instead of) the logits.
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Module, Tensor, D};
+use candle_nn::{Embedding, RmsNorm, VarBuilder};
+use serde::{Deserialize, Serialize};
+
+use crate::kernels::{RowMatmul, TreeAttention, TreeMask};
+use crate::kv_cache::KvCache;
+use crate::{Error, Result};
+
+/// Rows up to which the CPU uses the batch-invariant kernel; larger calls (prefill, training)
+/// use candle's gemm, which is faster there and need not match decode bit for bit.
+pub const ROW_KERNEL_MAX_ROWS: usize = 64;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Config {
+    /// "llama", "mistral" or "qwen2": recorded in head fingerprints.
+    pub architecture: String,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub max_position: usize,
+    pub tie_embeddings: bool,
+    /// Qwen2 has biases on the q/k/v projections.
+    pub attention_bias: bool,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+}
+
+impl Config {
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        if self.num_heads == 0 || self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0 {
+            return Err(format!("{} attention heads cannot share {} key/value heads", self.num_heads, self.num_kv_heads));
+        }
+        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+            return Err(format!("head dimension {} must be even", self.head_dim));
+        }
+        if self.vocab_size == 0 || self.hidden_size == 0 || self.num_layers == 0 || self.max_position == 0 {
+            return Err("vocabulary, hidden size, layer count and context must be positive".into());
+        }
+        Ok(())
+    }
+}
+
+/// A linear layer that uses the batch-invariant row kernel on the CPU and candle's matmul elsewhere.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    weight: Tensor,
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
+        Linear { weight, bias }
+    }
+    pub fn load(in_dim: usize, out_dim: usize, bias: bool, vb: VarBuilder) -> Result<Self> {
+        let weight = vb.get((out_dim, in_dim), "weight")?;
+        let bias = if bias { Some(vb.get(out_dim, "bias")?) } else { None };
+        Ok(Linear { weight, bias })
+    }
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+    /// `x [rows, in] -> [rows, out]`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let rows = x.dim(0)?;
+        let y = if x.device().is_cpu() && rows <= ROW_KERNEL_MAX_ROWS && x.dtype() == DType::F32 {
+            x.contiguous()?.apply_op2_no_bwd(&self.weight, &RowMatmul)?
+        } else {
+            x.matmul(&self.weight.t()?)?
+        };
+        Ok(match &self.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        })
+    }
+}
+
+struct Attention {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+}
+
+struct Mlp {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+struct Block {
+    attn_norm: RmsNorm,
+    attn: Attention,
+    mlp_norm: RmsNorm,
+    mlp: Mlp,
+}
+
+pub struct Llama {
+    embed: Embedding,
+    blocks: Vec<Block>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    cos: Tensor,
+    sin: Tensor,
+    cfg: Config,
+    device: Device,
+}
+
+fn rope_tables(cfg: &Config, device: &Device) -> Result<(Tensor, Tensor)> {
+    let half = cfg.head_dim / 2;
+    let theta: Vec<f32> = (0..half)
+        .map(|i| 1f32 / (cfg.rope_theta as f32).powf((2 * i) as f32 / cfg.head_dim as f32))
+        .collect();
+    let mut cos = Vec::with_capacity(cfg.max_position * half);
+    let mut sin = Vec::with_capacity(cfg.max_position * half);
+    for p in 0..cfg.max_position {
+        for &th in &theta {
+            let a = p as f32 * th;
+            cos.push(a.cos());
+            sin.push(a.sin());
+        }
+    }
+    Ok((
+        Tensor::from_vec(cos, (cfg.max_position, half), device)?,
+        Tensor::from_vec(sin, (cfg.max_position, half), device)?,
+    ))
+}
+
+impl Llama {
+    /// Weights use Hugging Face names (`model.layers.N.self_attn.q_proj.weight`, ...); the GGUF
+    /// loader renames and un-permutes its tensors into this layout.
+    pub fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
+        cfg.validate().map_err(Error::InvalidArgument)?;
+        let device = vb.device().clone();
+        let m = vb.pp("model");
+        let embed_w = m.get((cfg.vocab_size, cfg.hidden_size), "embed_tokens.weight")?;
+        let embed = Embedding::new(embed_w.clone(), cfg.hidden_size);
+        let (d, nh, nkv, hd) = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        let mut blocks = Vec::with_capacity(cfg.num_layers);
+        for i in 0..cfg.num_layers {
+            let b = m.pp(format!("layers.{i}"));
+            let a = b.pp("self_attn");
+            let f = b.pp("mlp");
+            blocks.push(Block {
+                attn_norm: candle_nn::rms_norm(d, cfg.rms_norm_eps, b.pp("input_layernorm"))?,
+                attn: Attention {
+                    q: Linear::load(d, nh * hd, cfg.attention_bias, a.pp("q_proj"))?,
+                    k: Linear::load(d, nkv * hd, cfg.attention_bias, a.pp("k_proj"))?,
+                    v: Linear::load(d, nkv * hd, cfg.attention_bias, a.pp("v_proj"))?,
+                    o: Linear::load(nh * hd, d, false, a.pp("o_proj"))?,
+                    num_heads: nh,
+                    num_kv_heads: nkv,
+                    head_dim: hd,
+                },
+                mlp_norm: candle_nn::rms_norm(d, cfg.rms_norm_eps, b.pp("post_attention_layernorm"))?,
+                mlp: Mlp {
+                    gate: Linear::load(d, cfg.intermediate_size, false, f.pp("gate_proj"))?,
+                    up: Linear::load(d, cfg.intermediate_size, false, f.pp("up_proj"))?,
+                    down: Linear::load(cfg.intermediate_size, d, false, f.pp("down_proj"))?,
+                },
+            });
+        }
+        let norm = candle_nn::rms_norm(d, cfg.rms_norm_eps, m.pp("norm"))?;
+        let lm_head = if cfg.tie_embeddings {
+            Linear::new(embed_w, None)
+        } else {
+            Linear::load(d, cfg.vocab_size, false, vb.pp("lm_head"))?
+        };
+        let (cos, sin) = rope_tables(cfg, &device)?;
+        Ok(Llama { embed, blocks, norm, lm_head, cos, sin, cfg: cfg.clone(), device })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+    /// The shared vocabulary projection; Medusa heads feed their output through it.
+    pub fn lm_head(&self) -> &Linear {
+        &self.lm_head
+    }
+
+    pub fn new_cache(&self) -> Result<KvCache> {
+        KvCache::new(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, self.cfg.max_position, &self.device)
+    }
+
+    /// Run `tokens` (placed at `positions`, attending as `mask` says, after everything already in
+    /// `cache`) and return the final-norm hidden states `[T, hidden]`. The new tokens' K/V land in
+    /// slots `cache.len()..cache.len()+T` and are committed.
+    pub fn forward(&self, tokens: &[u32], positions: &[usize], mask: &TreeMask, cache: &mut KvCache) -> Result<Tensor> {
+        let t = tokens.len();
+        if t == 0 || positions.len() != t || mask.len() != t {
+            return Err(Error::InvalidArgument(format!(
+                "forward: {t} tokens, {} positions, mask for {}",
+                positions.len(),
+                mask.len()
+            )));
+        }
+        if let Some(&bad) = tokens.iter().find(|&&x| x as usize >= self.cfg.vocab_size) {
+            return Err(Error::InvalidArgument(format!("token id {bad} is outside the vocabulary ({})", self.cfg.vocab_size)));
+        }
+        if let Some(&bad) = positions.iter().find(|&&p| p >= self.cfg.max_position) {
+            return Err(Error::InvalidArgument(format!(
+                "position {bad} is past the model's context of {} tokens",
+                self.cfg.max_position
+            )));
+        }
+        cache.reserve(t)?;
+        let prefix = cache.len();
+        let ids = Tensor::new(tokens, &self.device)?;
+        let pos: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
+        let pos = Tensor::new(pos.as_slice(), &self.device)?;
+        let cos = self.cos.index_select(&pos, 0)?;
+        let sin = self.sin.index_select(&pos, 0)?;
+        let mask = Arc::new(mask.clone());
+        let mut x = self.embed.forward(&ids)?;
+        for (i, b) in self.blocks.iter().enumerate() {
+            let h = b.attn_norm.forward(&x)?;
+            let a = b.attn.forward(&h, &cos, &sin, &mask, prefix, cache, i)?;
+            x = (x + a)?;
+            let h = b.mlp_norm.forward(&x)?;
+            let g = b.mlp.gate.forward(&h)?;
+            let u = b.mlp.up.forward(&h)?;
+            let m = b.mlp.down.forward(&(candle_nn::ops::silu(&g)? * u)?)?;
+            x = (x + m)?;
+        }
+        cache.append(t)?;
+        Ok(self.norm.forward(&x)?)
+    }
+
+    /// `hidden [T, d] -> logits [T, vocab]`.
+    pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        self.lm_head.forward(hidden)
+    }
+
+    /// Causal forward of a whole sequence from position `cache.len()` on.
+    pub fn forward_causal(&self, tokens: &[u32], cache: &mut KvCache) -> Result<Tensor> {
+        let start = cache.len();
+        let positions: Vec<usize> = (start..start + tokens.len()).collect();
+        self.forward(tokens, &positions, &TreeMask::causal(tokens.len()), cache)
+    }
+}
+
+impl Attention {
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: &Arc<TreeMask>,
+        prefix: usize,
+        cache: &mut KvCache,
+        layer: usize,
+    ) -> Result<Tensor> {
+        let t = x.dim(0)?;
+        let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let q = self.q.forward(x)?.reshape((1, t, nh, hd))?;
+        let k = self.k.forward(x)?.reshape((1, t, nkv, hd))?;
+        let v = self.v.forward(x)?.reshape((t, nkv, hd))?;
+        let q = candle_nn::rotary_emb::rope_thd(&q, cos, sin)?.squeeze(0)?;
+        let k = candle_nn::rotary_emb::rope_thd(&k, cos, sin)?.squeeze(0)?;
+        let (k_all, v_all) = cache.write(layer, &k, &v)?;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let out = if x.device().is_cpu() {
+            let op = TreeAttention { mask: mask.clone(), prefix_len: prefix, scale };
+            q.apply_op3_no_bwd(&k_all, &v_all, &op)?
+        } else {
+            attention_candle(&q, &k_all, &v_all, mask, prefix, scale)?
+        };
+        self.o.forward(&out.reshape((t, nh * hd))?)
+    }
+}
+
+/// The same attention with candle's ops, for CUDA/Metal and as a reference in tests.
+pub fn attention_candle(q: &Tensor, k: &Tensor, v: &Tensor, mask: &TreeMask, prefix: usize, scale: f32) -> Result<Tensor> {
+    let (t, nh, hd) = q.dims3()?;
+    let (s, nkv, _) = k.dims3()?;
+    let group = nh / nkv;
+    let expand = |x: &Tensor| -> Result<Tensor> {
+        let x = x.transpose(0, 1)?; // [nkv, s, hd]
+        Ok(x.unsqueeze(1)?.expand((nkv, group, s, hd))?.reshape((nh, s, hd))?.contiguous()?)
+    };
+    let (k, v) = (expand(k)?, expand(v)?);
+    let q = q.transpose(0, 1)?.contiguous()?; // [nh, t, hd]
+    let add = Tensor::from_vec(mask.additive(prefix), (t, s), q.device())?;
+    let scores = (q.matmul(&k.t()?)? * scale as f64)?.broadcast_add(&add)?;
+    let p = candle_nn::ops::softmax_last_dim(&scores)?;
+    let o = p.matmul(&v)?; // [nh, t, hd]
+    Ok(o.transpose(0, 1)?.contiguous()?)
+}
+
+/// Argmax with the lowest index winning ties: the one tie-break plain and speculative decoding share.
+pub fn argmax(xs: &[f32]) -> u32 {
+    let mut best = 0usize;
+    for (i, &x) in xs.iter().enumerate() {
+        if x > xs[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Logits of row `row` of a `[T, vocab]` tensor as a host vector.
+pub fn row_to_vec(logits: &Tensor, row: usize) -> Result<Vec<f32>> {
+    Ok(logits.get(row)?.to_dtype(DType::F32)?.to_vec1()?)
+}
+
+/// All rows of a `[T, vocab]` tensor, one host copy.
+pub fn rows_to_vec(logits: &Tensor) -> Result<Vec<Vec<f32>>> {
+    Ok(logits.to_dtype(DType::F32)?.to_vec2()?)
+}
+
+/// Last-dim softmax helper for tests and training code.
+pub fn softmax(x: &Tensor) -> Result<Tensor> {
+    Ok(candle_nn::ops::softmax(x, D::Minus1)?)
+}

@@ -1,0 +1,201 @@
+//! The distribution plain decoding draws from. Verification calls the very same functions on
+//! each tree node (with that node's own path as history), which is what makes speculative
+//! sampling exact rather than approximately right.
+use rand::{Rng, SeedableRng};
+
+use crate::{Error, Result};
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// 0 disables.
+    pub top_k: usize,
+    /// 1 disables.
+    pub top_p: f32,
+    /// 0 disables.
+    pub min_p: f32,
+    /// 1 disables (HF convention: positive logits divided, negative multiplied).
+    pub repetition_penalty: f32,
+    /// Subtracted once from every token already present (OpenAI convention).
+    pub presence_penalty: f32,
+    /// Subtracted per occurrence.
+    pub frequency_penalty: f32,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, presence_penalty: 0.0, frequency_penalty: 0.0 }
+    }
+}
+
+pub type Rng64 = rand::rngs::StdRng;
+
+pub fn rng(seed: u64) -> Rng64 {
+    Rng64::seed_from_u64(seed)
+}
+
+impl SamplingParams {
+    pub fn greedy() -> Self {
+        Self::default()
+    }
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+    pub fn has_penalties(&self) -> bool {
+        self.repetition_penalty != 1.0 || self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
+    }
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::InvalidArgument(m));
+        if !(self.temperature >= 0.0) || !self.temperature.is_finite() {
+            return bad(format!("temperature must be >= 0, got {}", self.temperature));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad(format!("top-p must be in (0, 1], got {}", self.top_p));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad(format!("min-p must be in [0, 1], got {}", self.min_p));
+        }
+        if !(self.repetition_penalty > 0.0) || !self.repetition_penalty.is_finite() {
+            return bad(format!("repetition penalty must be > 0, got {}", self.repetition_penalty));
+        }
+        Ok(())
+    }
+
+    /// Logits after penalties computed from `history` (the context this token would follow).
+    pub fn penalised(&self, logits: &[f32], history: &[u32]) -> Vec<f32> {
+        let mut l = logits.to_vec();
+        if !self.has_penalties() {
+            return l;
+        }
+        let mut counts: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
+        for &t in history {
+            if (t as usize) < l.len() {
+                *counts.entry(t).or_default() += 1;
+            }
+        }
+        // Sorted so the arithmetic is the same whatever the hash order.
+        let mut counts: Vec<(u32, u32)> = counts.into_iter().collect();
+        counts.sort_unstable();
+        for (t, c) in counts {
+            let x = &mut l[t as usize];
+            if self.repetition_penalty != 1.0 {
+                *x = if *x > 0.0 { *x / self.repetition_penalty } else { *x * self.repetition_penalty };
+            }
+            *x -= self.presence_penalty + self.frequency_penalty * c as f32;
+        }
+        l
+    }
+
+    /// The full next-token distribution (zeros where filtered) that sampling draws from.
+    /// Greedy decoding is the one-hot at [`crate::model::argmax`] of the penalised logits.
+    pub fn distribution(&self, logits: &[f32], history: &[u32]) -> Vec<f64> {
+        let l = self.penalised(logits, history);
+        let mut p = vec![0f64; l.len()];
+        if self.is_greedy() {
+            p[crate::model::argmax(&l) as usize] = 1.0;
+            return p;
+        }
+        let t = self.temperature as f64;
+        let max = l.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+        for (pi, &x) in p.iter_mut().zip(&l) {
+            *pi = ((x as f64 - max) / t).exp();
+        }
+        let needs_sort = self.top_k > 0 || self.top_p < 1.0;
+        if needs_sort {
+            let mut order: Vec<usize> = (0..p.len()).collect();
+            // Stable on ties: lower index first, as everywhere else.
+            order.sort_by(|&a, &b| p[b].partial_cmp(&p[a]).unwrap_or(std::cmp::Ordering::Equal).then(a.cmp(&b)));
+            let mut keep = order.len();
+            if self.top_k > 0 {
+                keep = keep.min(self.top_k);
+            }
+            if self.top_p < 1.0 {
+                let total: f64 = p.iter().sum();
+                let mut cum = 0.0;
+                for (i, &idx) in order.iter().enumerate().take(keep) {
+                    cum += p[idx] / total;
+                    if cum >= self.top_p as f64 {
+                        keep = i + 1;
+                        break;
+                    }
+                }
+            }
+            for &idx in &order[keep..] {
+                p[idx] = 0.0;
+            }
+        }
+        if self.min_p > 0.0 {
+            let pmax = p.iter().cloned().fold(0.0, f64::max);
+            for pi in p.iter_mut() {
+                if *pi < self.min_p as f64 * pmax {
+                    *pi = 0.0;
+                }
+            }
+        }
+        let s: f64 = p.iter().sum();
+        for pi in p.iter_mut() {
+            *pi /= s;
+        }
+        p
+    }
+
+    /// Pick the next token as plain decoding does.
+    pub fn choose(&self, logits: &[f32], history: &[u32], rng: &mut Rng64) -> u32 {
+        if self.is_greedy() {
+            return crate::model::argmax(&self.penalised(logits, history));
+        }
+        sample_from(&self.distribution(logits, history), rng)
+    }
+}
+
+/// Inverse-CDF draw from a (not necessarily normalised) distribution.
+pub fn sample_from(p: &[f64], rng: &mut Rng64) -> u32 {
+    let total: f64 = p.iter().sum();
+    let u: f64 = rng.random::<f64>() * total;
+    let mut cum = 0.0;
+    let mut last_nonzero = 0;
+    for (i, &x) in p.iter().enumerate() {
+        if x > 0.0 {
+            last_nonzero = i;
+            cum += x;
+            if u < cum {
+                return i as u32;
+            }
+        }
+    }
+    last_nonzero as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn filters_and_penalties() {
+        let logits = [1.0f32, 2.0, 3.0, 0.5];
+        let p = SamplingParams { temperature: 1.0, top_k: 2, ..Default::default() }.distribution(&logits, &[]);
+        assert_eq!(p[0], 0.0);
+        assert!((p[1] + p[2] - 1.0).abs() < 1e-12 && p[2] > p[1]);
+        let g = SamplingParams::greedy();
+        assert_eq!(g.choose(&logits, &[], &mut rng(0)), 2);
+        let rp = SamplingParams { repetition_penalty: 10.0, ..Default::default() };
+        assert_eq!(rp.choose(&logits, &[2], &mut rng(0)), 1);
+        let tp = SamplingParams { temperature: 1.0, top_p: 0.5, ..Default::default() }.distribution(&logits, &[]);
+        assert_eq!(tp.iter().filter(|&&x| x > 0.0).count(), 1);
+        let mp = SamplingParams { temperature: 1.0, min_p: 0.3, ..Default::default() }.distribution(&logits, &[]);
+        assert_eq!(mp.iter().filter(|&&x| x > 0.0).count(), 2);
+        assert!(SamplingParams { temperature: -1.0, ..Default::default() }.validate().is_err());
+        assert!(SamplingParams { top_p: 0.0, ..Default::default() }.validate().is_err());
+    }
+
+    #[test]
+    fn sample_from_follows_distribution() {
+        let p = [0.25, 0.0, 0.75];
+        let mut r = rng(7);
+        let n = 20000;
+        let twos = (0..n).filter(|_| sample_from(&p, &mut r) == 2).count();
+        assert!((twos as f64 / n as f64 - 0.75).abs() < 0.02);
+        assert!((0..1000).all(|_| sample_from(&p, &mut r) != 1));
+    }
+}

@@ -1,0 +1,248 @@
+//! Tokenizers and chat templates, from GGUF metadata or a Hugging Face directory.
+//!
+//! GGUF files carry their vocabulary as metadata, not as a `tokenizer.json`; we translate that
+//! metadata into the JSON the `tokenizers` crate reads, so both sources end up in the same engine.
+use std::path::Path;
+
+use candle_core::quantized::gguf_file::Value;
+use serde_json::{json, Value as Json};
+
+use crate::{Error, Result};
+
+/// A tokenizer plus the special ids decoding needs.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    pub bos_id: Option<u32>,
+    /// Any of these ends generation.
+    pub eos_ids: Vec<u32>,
+    pub add_bos: bool,
+    pub bos_token: String,
+    pub eos_token: String,
+}
+
+impl Tokenizer {
+    /// Text to ids; `add_bos` follows the model's convention for a raw prompt.
+    pub fn encode(&self, text: &str, add_bos: bool) -> Result<Vec<u32>> {
+        let enc = self.inner.encode(text, false).map_err(|e| Error::Tokenizer(e.to_string()))?;
+        let mut ids = Vec::with_capacity(enc.len() + 1);
+        if add_bos && self.add_bos {
+            if let Some(b) = self.bos_id {
+                ids.push(b);
+            }
+        }
+        ids.extend_from_slice(enc.get_ids());
+        Ok(ids)
+    }
+
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner.decode(ids, true).map_err(|e| Error::Tokenizer(e.to_string()))
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    pub fn token_to_id(&self, s: &str) -> Option<u32> {
+        self.inner.token_to_id(s)
+    }
+
+    pub fn is_eos(&self, id: u32) -> bool {
+        self.eos_ids.contains(&id)
+    }
+
+    /// The serialised tokenizer, hashed into head fingerprints.
+    pub fn to_json(&self) -> String {
+        self.inner.to_string(false).unwrap_or_default()
+    }
+
+    pub fn from_hf_file(path: &Path, bos: Option<String>, eos: Vec<String>, add_bos: bool) -> Result<Self> {
+        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| Error::bad_file(path, format!("cannot read tokenizer: {e}")))?;
+        let bos_id = bos.as_deref().and_then(|b| inner.token_to_id(b));
+        let mut eos_ids: Vec<u32> = eos.iter().filter_map(|e| inner.token_to_id(e)).collect();
+        add_chat_stops(&inner, &mut eos_ids);
+        Ok(Tokenizer {
+            bos_token: bos.unwrap_or_default(),
+            eos_token: eos.first().cloned().unwrap_or_default(),
+            inner,
+            bos_id,
+            eos_ids,
+            add_bos,
+        })
+    }
+
+    /// Build from GGUF metadata (`tokenizer.ggml.*`): `gpt2` byte-level BPE or `llama` SentencePiece.
+    pub fn from_gguf(path: &Path, md: &std::collections::HashMap<String, Value>) -> Result<Self> {
+        let get_str = |k: &str| md.get(k).and_then(|v| v.to_string().ok()).cloned();
+        let get_u32 = |k: &str| md.get(k).and_then(|v| v.to_u32().ok());
+        let get_bool = |k: &str| md.get(k).and_then(|v| v.to_bool().ok());
+        let kind = get_str("tokenizer.ggml.model").ok_or_else(|| Error::bad_file(path, "no tokenizer in the GGUF metadata (tokenizer.ggml.model missing)"))?;
+        let tokens: Vec<String> = match md.get("tokenizer.ggml.tokens").map(|v| v.to_vec()) {
+            Some(Ok(v)) => v.iter().map(|t| t.to_string().cloned().unwrap_or_default()).collect(),
+            _ => return Err(Error::bad_file(path, "no tokenizer in the GGUF metadata (tokenizer.ggml.tokens missing)")),
+        };
+        if tokens.is_empty() {
+            return Err(Error::bad_file(path, "the GGUF tokenizer has an empty vocabulary"));
+        }
+        let types: Vec<i32> = match md.get("tokenizer.ggml.token_type").map(|v| v.to_vec()) {
+            Some(Ok(v)) => v.iter().map(|t| t.to_i32().unwrap_or(1)).collect(),
+            _ => vec![1; tokens.len()],
+        };
+        let bos_id = get_u32("tokenizer.ggml.bos_token_id");
+        let eos_id = get_u32("tokenizer.ggml.eos_token_id");
+        let unk_id = get_u32("tokenizer.ggml.unknown_token_id");
+        // Control (3) and user-defined (4) tokens are matched whole, never split by the model.
+        let added: Vec<Json> = tokens
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| matches!(types.get(*i), Some(3) | Some(4)))
+            .map(|(i, t)| {
+                json!({"id": i, "content": t, "single_word": false, "lstrip": false, "rstrip": false,
+                       "normalized": false, "special": types[i] == 3})
+            })
+            .collect();
+        let (model, normalizer, pre, decoder, add_bos_default) = match kind.as_str() {
+            "gpt2" => {
+                let merges: Vec<String> = match md.get("tokenizer.ggml.merges").map(|v| v.to_vec()) {
+                    Some(Ok(v)) => v.iter().map(|t| t.to_string().cloned().unwrap_or_default()).collect(),
+                    _ => return Err(Error::bad_file(path, "gpt2 tokenizer without tokenizer.ggml.merges")),
+                };
+                let vocab: serde_json::Map<String, Json> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
+                let model = json!({"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                    "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                    "vocab": vocab, "merges": merges});
+                let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
+                let pre_name = get_str("tokenizer.ggml.pre").unwrap_or_else(|| "default".into());
+                let pre = match pre_name.as_str() {
+                    "default" | "gpt2" | "gpt-2" => byte_level,
+                    "smollm" | "starcoder" | "refact" => json!({"type": "Sequence", "pretokenizers": [
+                        {"type": "Digits", "individual_digits": true}, byte_level]}),
+                    "llama-bpe" | "llama3" | "qwen2" | "deepseek-llm" => {
+                        let re = if pre_name == "qwen2" {
+                            r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+                        } else {
+                            r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+                        };
+                        json!({"type": "Sequence", "pretokenizers": [
+                            {"type": "Split", "pattern": {"Regex": re}, "behavior": "Isolated", "invert": false},
+                            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}]})
+                    }
+                    other => return Err(Error::unsupported(path, format!("gpt2 pre-tokenizer '{other}' (supported: gpt2, smollm, starcoder, llama-bpe, qwen2)"))),
+                };
+                let decoder = json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true});
+                (model, Json::Null, pre, decoder, false)
+            }
+            "llama" => {
+                let scores: Vec<f64> = match md.get("tokenizer.ggml.scores").map(|v| v.to_vec()) {
+                    Some(Ok(v)) => v.iter().map(|t| t.to_f32().unwrap_or(0.0) as f64).collect(),
+                    _ => vec![0.0; tokens.len()],
+                };
+                let vocab: Vec<Json> = tokens.iter().zip(scores.iter().chain(std::iter::repeat(&0.0))).map(|(t, s)| json!([t, s])).collect();
+                let model = json!({"type": "Unigram", "unk_id": unk_id.unwrap_or(0), "vocab": vocab, "byte_fallback": true});
+                let prefix = get_bool("tokenizer.ggml.add_space_prefix").unwrap_or(true);
+                let mut norms = vec![];
+                if prefix {
+                    norms.push(json!({"type": "Prepend", "prepend": "\u{2581}"}));
+                }
+                norms.push(json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"}));
+                let normalizer = json!({"type": "Sequence", "normalizers": norms});
+                let mut decs = vec![
+                    json!({"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "}),
+                    json!({"type": "ByteFallback"}),
+                    json!({"type": "Fuse"}),
+                ];
+                if prefix {
+                    decs.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+                }
+                let decoder = json!({"type": "Sequence", "decoders": decs});
+                (model, normalizer, Json::Null, decoder, true)
+            }
+            other => return Err(Error::unsupported(path, format!("tokenizer kind '{other}' (supported: gpt2, llama)"))),
+        };
+        let doc = json!({"version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+            "normalizer": normalizer, "pre_tokenizer": pre, "post_processor": null, "decoder": decoder, "model": model});
+        let inner = tokenizers::Tokenizer::from_bytes(doc.to_string().as_bytes())
+            .map_err(|e| Error::bad_file(path, format!("cannot build the tokenizer from GGUF metadata: {e}")))?;
+        let name = |id: Option<u32>| id.and_then(|i| tokens.get(i as usize).cloned()).unwrap_or_default();
+        let mut eos_ids: Vec<u32> = eos_id.into_iter().collect();
+        add_chat_stops(&inner, &mut eos_ids);
+        Ok(Tokenizer {
+            bos_token: name(bos_id),
+            eos_token: name(eos_id),
+            inner,
+            bos_id,
+            eos_ids,
+            add_bos: get_bool("tokenizer.ggml.add_bos_token").unwrap_or(add_bos_default),
+        })
+    }
+}
+
+/// End-of-turn markers of common chat formats also end generation.
+fn add_chat_stops(inner: &tokenizers::Tokenizer, eos: &mut Vec<u32>) {
+    for s in ["<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end|>"] {
+        if let Some(id) = inner.token_to_id(s) {
+            if !eos.contains(&id) {
+                eos.push(id);
+            }
+        }
+    }
+}
+
+/// A Jinja chat template as shipped with the model.
+#[derive(Clone)]
+pub struct ChatTemplate {
+    source: String,
+}
+
+/// One chat turn.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq)]
+pub struct Message {
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatTemplate {
+    pub fn new(source: String) -> Result<Self> {
+        let t = ChatTemplate { source };
+        // Compile once now so a broken template is reported at load, not at the first prompt.
+        t.env()?;
+        Ok(t)
+    }
+
+    fn env(&self) -> Result<minijinja::Environment<'static>> {
+        let mut env = minijinja::Environment::new();
+        minijinja_contrib::add_to_environment(&mut env);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+        });
+        env.add_template_owned("chat", self.source.clone()).map_err(|e| Error::Template(e.to_string()))?;
+        Ok(env)
+    }
+
+    /// Render a conversation; `add_generation_prompt` opens the assistant's turn.
+    pub fn render(&self, messages: &[Message], add_generation_prompt: bool, bos: &str, eos: &str) -> Result<String> {
+        let env = self.env()?;
+        let tmpl = env.get_template("chat").map_err(|e| Error::Template(e.to_string()))?;
+        tmpl.render(minijinja::context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => bos,
+            eos_token => eos,
+        })
+        .map_err(|e| Error::Template(e.to_string()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chatml_template_renders() {
+        let src = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content.strip() }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+        let t = ChatTemplate::new(src.into()).unwrap();
+        let out = t.render(&[Message { role: "user".into(), content: " hi ".into() }], true, "", "").unwrap();
+        assert_eq!(out, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+        assert!(ChatTemplate::new("{% for %}".into()).is_err());
+    }
+}
