@@ -1,0 +1,87 @@
+//! Bad input gets one clear line on stderr naming the file and the problem, a non-zero exit and
+//! no panic.
+mod common;
+
+use std::process::Command;
+
+use candle_core::quantized::gguf_file::{self, Value};
+use common::*;
+
+fn run(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_selfspec")).args(args).output().unwrap();
+    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+}
+
+fn expect_error(args: &[&str], needles: &[&str]) {
+    let (code, _, err) = run(args);
+    assert_ne!(code, 0, "{args:?} succeeded");
+    assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
+    for n in needles {
+        assert!(err.contains(n), "{args:?}: stderr {err:?} lacks {n:?}");
+    }
+    assert!(err.trim().lines().count() <= 2, "{args:?}: error should be short: {err}");
+}
+
+fn write_meta_only(path: &std::path::Path, md: &[(&str, Value)]) {
+    let mut f = std::fs::File::create(path).unwrap();
+    let r: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (*k, v)).collect();
+    gguf_file::write(&mut f, &r, &[]).unwrap();
+}
+
+#[test]
+fn bad_model_files() {
+    let dir = scratch("cli-errors");
+    let missing = dir.join("nope.gguf");
+    expect_error(&["generate", "--model", missing.to_str().unwrap(), "--prompt", "x"], &["nope.gguf", "No such file"]);
+
+    let junk = dir.join("junk.bin");
+    std::fs::write(&junk, b"hello world, not a model").unwrap();
+    expect_error(&["generate", "--model", junk.to_str().unwrap(), "--prompt", "x"], &["junk.bin", "neither a GGUF"]);
+
+    let (tiny, _) = tiny_gguf("cli-errors-tiny", 1);
+    let bytes = std::fs::read(&tiny).unwrap();
+    let trunc = dir.join("trunc.gguf");
+    std::fs::write(&trunc, &bytes[..bytes.len() * 6 / 10]).unwrap();
+    expect_error(&["generate", "--model", trunc.to_str().unwrap(), "--prompt", "x"], &["trunc.gguf", "truncated"]);
+
+    let arch = dir.join("falcon.gguf");
+    write_meta_only(&arch, &[("general.architecture", Value::String("falcon".into()))]);
+    expect_error(&["generate", "--model", arch.to_str().unwrap(), "--prompt", "x"], &["falcon.gguf", "unsupported", "falcon"]);
+
+    let notok = dir.join("notok.gguf");
+    write_meta_only(
+        &notok,
+        &[
+            ("general.architecture", Value::String("llama".into())),
+            ("llama.embedding_length", Value::U32(64)),
+            ("llama.attention.head_count", Value::U32(4)),
+            ("llama.block_count", Value::U32(1)),
+            ("llama.feed_forward_length", Value::U32(128)),
+        ],
+    );
+    expect_error(&["generate", "--model", notok.to_str().unwrap(), "--prompt", "x"], &["notok.gguf", "no tokenizer"]);
+
+    let hf = dir.join("hf-no-tok");
+    std::fs::create_dir_all(&hf).unwrap();
+    let cfg = selfspec::fixtures::tiny_config();
+    let w = selfspec::fixtures::random_weights(&cfg, 1).unwrap();
+    selfspec::fixtures::write_hf(&hf, &cfg, &w).unwrap();
+    std::fs::remove_file(hf.join("tokenizer.json")).unwrap();
+    expect_error(&["generate", "--model", hf.to_str().unwrap(), "--prompt", "x"], &["hf-no-tok", "tokenizer.json"]);
+}
+
+#[test]
+fn bad_arguments() {
+    let (tiny, _) = tiny_gguf("cli-args", 2);
+    let m = tiny.to_str().unwrap();
+    let long = "a b ".repeat(400);
+    expect_error(&["generate", "--model", m, "--prompt", &long], &["prompt has", "context is 512"]);
+    expect_error(&["generate", "--model", m, "--prompt", "x", "--max-tokens", "0"], &["max-tokens"]);
+    expect_error(&["generate", "--model", m, "--prompt", "x", "--temperature", "-1"], &["temperature"]);
+    expect_error(&["generate", "--model", m, "--prompt", "x", "--device", "tpu"], &["unknown device", "tpu"]);
+    // And the happy path works on the same file: text on stdout, summary on stderr.
+    let (code, out, err) = run(&["generate", "--model", m, "--prompt", "the", "--max-tokens", "5"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(!out.is_empty());
+    assert!(err.contains("decode") && err.contains("tok/s"), "{err}");
+}

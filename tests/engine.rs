@@ -1,0 +1,156 @@
+//! The target forward: both loaders agree, we match candle-transformers, and a tree forward is
+//! bit-identical to decoding each node's path one token at a time.
+mod common;
+
+use candle_core::{Device, Tensor};
+use common::*;
+use selfspec::fixtures;
+use selfspec::kernels::TreeMask;
+use selfspec::loader::Target;
+use selfspec::model::{row_to_vec, rows_to_vec, Llama};
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+fn last_logits(m: &Llama, toks: &[u32]) -> Vec<f32> {
+    let mut c = m.new_cache().unwrap();
+    let h = m.forward_causal(toks, &mut c).unwrap();
+    let l = m.logits(&h).unwrap();
+    row_to_vec(&l, toks.len() - 1).unwrap()
+}
+
+#[test]
+fn gguf_and_hf_loaders_give_identical_logits() {
+    let dir = scratch("loaders");
+    let cfg = fixtures::tiny_config();
+    let w = fixtures::random_weights(&cfg, 11).unwrap();
+    fixtures::write_gguf(&dir.join("m.gguf"), &cfg, &w).unwrap();
+    fixtures::write_hf(&dir.join("hf"), &cfg, &w).unwrap();
+    let a = Target::load(&dir.join("m.gguf"), &Device::Cpu).unwrap();
+    let b = Target::load(&dir.join("hf"), &Device::Cpu).unwrap();
+    let text = "the cat sat in the sun, then ran 42 times.";
+    let ta = a.tokenizer.encode(text, false).unwrap();
+    let tb = b.tokenizer.encode(text, false).unwrap();
+    assert_eq!(ta, tb, "tokenizers differ");
+    assert_eq!(a.tokenizer.decode(&ta).unwrap(), text);
+    let la = last_logits(&a.model, &ta);
+    let lb = last_logits(&b.model, &tb);
+    assert_eq!(la, lb, "GGUF and safetensors logits differ");
+    // The chat template came through both paths.
+    let msg = [selfspec::tokenizer::Message { role: "user".into(), content: "hi".into() }];
+    assert_eq!(a.chat_prompt(&msg).unwrap(), b.chat_prompt(&msg).unwrap());
+    assert_eq!(a.fingerprint().unwrap(), b.fingerprint().unwrap());
+}
+
+#[test]
+fn logits_match_candle_transformers_quantized_llama() {
+    let (path, ours) = tiny_gguf("parity", 3);
+    let mut f = std::fs::File::open(&path).unwrap();
+    let ct = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
+    let mut theirs = candle_transformers::models::quantized_llama::ModelWeights::from_gguf(ct, &mut f, &Device::Cpu).unwrap();
+    let toks: Vec<u32> = (0..23).map(|i| (i * 37 + 5) % 260).collect();
+    let input = Tensor::new(toks.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+    let reference: Vec<f32> = theirs.forward(&input, 0).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    let mine = last_logits(&ours.model, &toks);
+    let d = max_diff(&mine, &reference);
+    assert!(d <= 1e-4, "max abs diff {d} against quantized_llama");
+}
+
+/// Random prefix-closed tree: node i's parent is any earlier node.
+fn random_tree(r: &mut Rand, n: usize) -> Vec<Option<usize>> {
+    (0..n).map(|i| if i == 0 { None } else { Some(r.below(i)) }).collect()
+}
+
+fn path_to(parents: &[Option<usize>], mut i: usize) -> Vec<usize> {
+    let mut p = vec![i];
+    while let Some(q) = parents[i] {
+        p.push(q);
+        i = q;
+    }
+    p.reverse();
+    p
+}
+
+fn check_tree_equivalence(model: &Llama, prompt: &[u32], n: usize, seed: u64) {
+    let mut r = Rand(seed);
+    let parents = random_tree(&mut r, n);
+    let vocab = model.config().vocab_size;
+    let tokens: Vec<u32> = (0..n).map(|_| r.below(vocab) as u32).collect();
+    let depth: Vec<usize> = (0..n).map(|i| path_to(&parents, i).len() - 1).collect();
+    let mut cache = model.new_cache().unwrap();
+    model.forward_causal(prompt, &mut cache).unwrap();
+    let l = prompt.len();
+    let positions: Vec<usize> = depth.iter().map(|d| l + d).collect();
+    let mask = TreeMask::from_parents(&parents).unwrap();
+    let h = model.forward(&tokens, &positions, &mask, &mut cache).unwrap();
+    let tree_logits = rows_to_vec(&model.logits(&h).unwrap()).unwrap();
+    for i in 0..n {
+        // Sequential: same prefill, then the path one token at a time.
+        let mut c = model.new_cache().unwrap();
+        model.forward_causal(prompt, &mut c).unwrap();
+        let mut last = vec![];
+        for &node in &path_to(&parents, i) {
+            let h = model.forward_causal(&[tokens[node]], &mut c).unwrap();
+            last = row_to_vec(&model.logits(&h).unwrap(), 0).unwrap();
+        }
+        assert_eq!(tree_logits[i], last, "node {i}: tree logits are not bit-identical to sequential decoding");
+    }
+    // Compact to the deepest path, run one more token, compare with a fresh prefill.
+    let deepest = (0..n).max_by_key(|&i| depth[i]).unwrap();
+    let path = path_to(&parents, deepest);
+    let slots: Vec<usize> = path.iter().map(|&p| l + p).collect();
+    cache.compact(l, &slots).unwrap();
+    assert_eq!(cache.len(), l + path.len());
+    let next = 7u32;
+    let h = model.forward_causal(&[next], &mut cache).unwrap();
+    let after = row_to_vec(&model.logits(&h).unwrap(), 0).unwrap();
+    let mut full = prompt.to_vec();
+    full.extend(path.iter().map(|&p| tokens[p]));
+    full.push(next);
+    let fresh = last_logits(model, &full);
+    let d = max_diff(&after, &fresh);
+    assert!(d <= 1e-4, "after compaction the next forward differs from a fresh prefill by {d}");
+}
+
+#[test]
+fn tree_forward_is_bit_identical_to_sequential_tiny() {
+    let (_, t) = tiny_gguf("tree", 5);
+    let prompt: Vec<u32> = (0..12).map(|i| (i * 13 + 1) % 260).collect();
+    for seed in 1..4 {
+        check_tree_equivalence(&t.model, &prompt, 17, seed);
+    }
+}
+
+#[test]
+fn tree_forward_is_bit_identical_to_sequential_smollm2() {
+    let t = smollm2();
+    let prompt = t.tokenizer.encode("The quick brown fox jumps over the lazy dog because", false).unwrap();
+    check_tree_equivalence(&t.model, &prompt, 16, 42);
+}
+
+#[test]
+fn smollm2_knows_the_capital_of_france() {
+    let t = smollm2();
+    let ids = t.encode_prompt("The capital of France is", false).unwrap();
+    let stop = selfspec::generate::StopRule { max_new_tokens: 4, eos_ids: &t.tokenizer.eos_ids };
+    let params = selfspec::sampling::SamplingParams::greedy();
+    let (out, _) = selfspec::generate::generate_plain(&t.model, &ids, &params, &stop, &mut selfspec::sampling::rng(0), &mut |_| Ok(())).unwrap();
+    let text = t.tokenizer.decode(&out).unwrap();
+    assert!(text.starts_with(" Paris"), "got {text:?}");
+}
+
+#[test]
+fn attention_kernel_matches_candle_ops() {
+    use selfspec::kernels::TreeAttention;
+    let dev = Device::Cpu;
+    let (t, h, hkv, d, prefix) = (5, 4, 2, 16, 7);
+    let q = Tensor::randn(0f32, 1., (t, h, d), &dev).unwrap();
+    let k = Tensor::randn(0f32, 1., (prefix + t, hkv, d), &dev).unwrap();
+    let v = Tensor::randn(0f32, 1., (prefix + t, hkv, d), &dev).unwrap();
+    let mask = TreeMask::from_parents(&[None, Some(0), Some(0), Some(1), Some(2)]).unwrap();
+    let op = TreeAttention { mask: std::sync::Arc::new(mask.clone()), prefix_len: prefix, scale: 0.25 };
+    let a: Vec<f32> = q.apply_op3_no_bwd(&k, &v, &op).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    let b: Vec<f32> = selfspec::model::attention_candle(&q, &k, &v, &mask, prefix, 0.25).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    assert!(max_diff(&a, &b) < 1e-5);
+}
