@@ -4,12 +4,9 @@ use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    // The io error is part of the message rather than a `source`, so it is printed once.
+    #[error("{path}: {err}")]
+    Io { path: PathBuf, err: std::io::Error },
     /// The file exists but its content is not what we can use (truncated, wrong format, ...).
     #[error("{path}: {msg}")]
     BadFile { path: PathBuf, msg: String },
@@ -35,7 +32,7 @@ pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        Error::Io { path: path.into(), source }
+        Error::Io { path: path.into(), err: source }
     }
     pub fn bad_file(path: impl Into<PathBuf>, msg: impl Into<String>) -> Self {
         Error::BadFile { path: path.into(), msg: msg.into() }

@@ -3,14 +3,21 @@
 //! Data flows one way: [`loader`] builds a [`loader::Target`] (a [`model::Llama`] plus tokenizer),
 //! [`generate`] decodes plainly, and the speculative modules build on the same forward.
 pub mod bench;
+pub mod data;
+pub mod distill;
 pub mod error;
 pub mod fixtures;
 pub mod generate;
+pub mod heads;
 pub mod kernels;
 pub mod kv_cache;
 pub mod loader;
 pub mod model;
 pub mod sampling;
+pub mod spec;
 pub mod tokenizer;
+pub mod train;
+pub mod tree;
+pub mod verify;
 
 pub use error::{Error, Result};

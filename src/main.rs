@@ -5,9 +5,18 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 
-use selfspec::generate::{generate_plain, StopRule, TextStream};
+use selfspec::generate::{generate_plain, GenStats, StopRule, TextStream};
+use selfspec::heads::Heads;
+use selfspec::spec::{generate_spec, SpecOptions, SpecStats, TreeChoice};
+use selfspec::train::{describe_inputs, train, LossKind, TrainConfig};
+use selfspec::verify::Rule;
 use selfspec::loader::{parse_device, Target};
 use selfspec::sampling::{rng, SamplingParams};
+
+// Training allocates and frees tensors of hundreds of MB each step; mimalloc reuses that memory
+// instead of returning it to the kernel and faulting it back in (which cost more than the math).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[derive(Parser)]
 #[command(name = "selfspec", version, about = "Self-speculative decoding with Medusa-style heads and exact tree verification")]
@@ -63,6 +72,20 @@ impl SamplingArgs {
     }
 }
 
+#[derive(Args, Clone)]
+struct SpecArgs {
+    /// Draft heads directory (heads.json + heads.safetensors, or Medusa format): enables
+    /// self-speculative decoding.
+    #[arg(long)]
+    heads: Option<PathBuf>,
+    /// cpu (12 nodes), gpu (~64), chain, chain:N, dynamic, dynamic:N, or a tree JSON file.
+    #[arg(long, default_value = "cpu")]
+    tree: String,
+    /// Medusa's typical acceptance. LOSSY: the output no longer follows the target's distribution.
+    #[arg(long)]
+    lossy_typical: bool,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Generate text from a prompt (plain decoding, or self-speculative with --heads).
@@ -78,6 +101,80 @@ enum Command {
         max_tokens: usize,
         #[command(flatten)]
         sampling: SamplingArgs,
+        #[command(flatten)]
+        spec: SpecArgs,
+        /// Also run plain decoding on the same prompt and print both speeds and the speed-up.
+        #[arg(long, requires = "heads")]
+        compare: bool,
+    },
+    /// Self-distillation: the target answers each prompt through its chat template; one JSONL
+    /// record per answer, appended as soon as it is done (a killed run resumes).
+    Distill {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// One prompt per line, or JSONL with "prompt" or "turns".
+        #[arg(long)]
+        prompts: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 256)]
+        max_tokens: usize,
+        #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+        temperature: f32,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
+    /// Train draft heads on a corpus with the backbone frozen.
+    Train {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Text files, directories of text files, or distill JSONL (rendered through the chat template).
+        #[arg(long, num_args = 1.., required = true)]
+        data: Vec<PathBuf>,
+        /// Output directory: heads.json, heads.safetensors, report.json, checkpoints.
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 4)]
+        heads: usize,
+        #[arg(long, default_value_t = 1)]
+        layers: usize,
+        /// Give each head its own vocabulary projection (initialised from lm_head).
+        #[arg(long)]
+        own_lm_head: bool,
+        #[arg(long, default_value_t = 2)]
+        epochs: usize,
+        #[arg(long, default_value_t = 1e-3)]
+        lr: f64,
+        #[arg(long, default_value_t = 256)]
+        seq_len: usize,
+        #[arg(long, default_value_t = 512)]
+        batch_tokens: usize,
+        /// hard: the corpus token; soft: the target's own distribution.
+        #[arg(long, default_value = "soft", value_parser = ["hard", "soft"])]
+        loss: String,
+        #[arg(long, default_value_t = 0.8)]
+        decay: f64,
+        #[arg(long, default_value_t = 0.05)]
+        val_fraction: f64,
+        #[arg(long, default_value_t = 20)]
+        warmup: usize,
+        #[arg(long, default_value_t = 50)]
+        checkpoint_every: usize,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Continue a killed run from its last checkpoint in --out.
+        #[arg(long)]
+        resume: bool,
+        /// Keep the backbone's hidden states here, so later runs and epochs cost only the heads.
+        #[arg(long)]
+        cache_hidden: Option<PathBuf>,
+        /// Stop after this many steps (the checkpoint stays; --resume continues).
+        #[arg(long, default_value_t = 0)]
+        max_steps: usize,
+        /// Heads draft from the N most frequent corpus tokens (FR-Spec style; 0 = full vocabulary).
+        /// Cheaper to train and to run; verification still uses the full vocabulary.
+        #[arg(long, default_value_t = 8192)]
+        draft_vocab: usize,
     },
     /// Time one forward over T new tokens after a context, for each T.
     Bench {
@@ -99,6 +196,45 @@ fn load(m: &ModelArgs) -> Result<Target> {
     Ok(Target::load(&m.model, &device)?)
 }
 
+/// A progress bar on stderr, hidden when stderr is not a terminal.
+fn progress(len: u64, what: &str) -> indicatif::ProgressBar {
+    let bar = if std::io::stderr().is_terminal() { indicatif::ProgressBar::new(len) } else { indicatif::ProgressBar::hidden() };
+    bar.set_style(indicatif::ProgressStyle::with_template(&format!("{what} {{bar:30}} {{pos}}/{{len}} {{elapsed}} eta {{eta}} {{msg}}")).unwrap());
+    bar
+}
+
+fn finish_stream(stream: &mut TextStream, stdout: &mut impl Write) -> Result<()> {
+    if let Some(s) = stream.finish()? {
+        stdout.write_all(s.as_bytes())?;
+    }
+    writeln!(stdout)?;
+    stdout.flush()?;
+    Ok(())
+}
+
+fn plain_summary(s: &GenStats) -> String {
+    format!(
+        "plain: prompt {} tokens, {} new tokens | prefill {:.1} tok/s | decode {:.1} tok/s",
+        s.prompt_tokens,
+        s.new_tokens,
+        s.prefill_tok_s(),
+        s.decode_tok_s()
+    )
+}
+
+fn spec_summary(s: &SpecStats, lossy: bool) -> String {
+    format!(
+        "self-speculative{}: prompt {} tokens, {} new tokens, {} target forwards | tau {:.2} tokens/forward (bonus token counted; plain = 1.00) | prefill {:.1} tok/s | decode {:.1} tok/s",
+        if lossy { " (LOSSY typical acceptance: output does not follow the target's distribution)" } else { "" },
+        s.gen.prompt_tokens,
+        s.gen.new_tokens,
+        s.gen.target_forwards,
+        s.tau(),
+        s.gen.prefill_tok_s(),
+        s.gen.decode_tok_s()
+    )
+}
+
 fn main() {
     let cli = Cli::parse();
     if let Err(e) = run(cli) {
@@ -109,34 +245,169 @@ fn main() {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Generate { model, prompt, chat, max_tokens, sampling } => {
+        Command::Generate { model, prompt, chat, max_tokens, sampling, spec, compare } => {
             let params = sampling.params()?;
             if max_tokens == 0 {
                 bail!("--max-tokens must be at least 1");
             }
+            let tree = TreeChoice::parse(&spec.tree)?;
             let target = load(&model)?;
+            let heads = match &spec.heads {
+                Some(dir) => Some(Heads::from_dir(dir, &target)?),
+                None => None,
+            };
             let ids = target.encode_prompt(&prompt, chat)?;
             let stop = StopRule { max_new_tokens: max_tokens, eos_ids: &target.tokenizer.eos_ids };
             let mut stream = TextStream::new(&target.tokenizer);
             let mut stdout = std::io::stdout().lock();
-            let mut r = rng(sampling.seed);
-            let (_, stats) = generate_plain(&target.model, &ids, &params, &stop, &mut r, &mut |t| {
+            let mut print = |t: u32| -> selfspec::Result<()> {
                 if let Some(s) = stream.push(t)? {
                     let _ = stdout.write_all(s.as_bytes());
                     let _ = stdout.flush();
                 }
                 Ok(())
-            })?;
-            if let Some(s) = stream.finish()? {
-                stdout.write_all(s.as_bytes())?;
+            };
+            let mut r = rng(sampling.seed);
+            match &heads {
+                None => {
+                    let (_, stats) = generate_plain(&target.model, &ids, &params, &stop, &mut r, &mut print)?;
+                    finish_stream(&mut stream, &mut stdout)?;
+                    eprintln!("{}", plain_summary(&stats));
+                }
+                Some(heads) => {
+                    let rule = Rule::for_params(&params, spec.lossy_typical);
+                    let opts = SpecOptions { tree, rule, params: params.clone(), stop };
+                    let (spec_out, stats) = generate_spec(&target.model, heads, &ids, &opts, &mut r, &mut print)?;
+                    finish_stream(&mut stream, &mut stdout)?;
+                    eprintln!("{}", spec_summary(&stats, spec.lossy_typical));
+                    if compare {
+                        let stop = StopRule { max_new_tokens: max_tokens, eos_ids: &target.tokenizer.eos_ids };
+                        let (plain_out, plain) = generate_plain(&target.model, &ids, &params, &stop, &mut rng(sampling.seed), &mut |_| Ok(()))?;
+                        eprintln!("{}", plain_summary(&plain));
+                        eprintln!(
+                            "speed-up {:.2}x (self-speculative {:.1} tok/s vs plain {:.1} tok/s){}",
+                            stats.gen.decode_tok_s() / plain.decode_tok_s(),
+                            stats.gen.decode_tok_s(),
+                            plain.decode_tok_s(),
+                            if params.is_greedy() && !spec.lossy_typical {
+                                if spec_out == plain_out { "; outputs identical" } else { "; OUTPUTS DIFFER" }
+                            } else {
+                                ""
+                            }
+                        );
+                    }
+                }
             }
-            writeln!(stdout)?;
+        }
+        Command::Distill { model, prompts, out, max_tokens, temperature, seed } => {
+            let params = SamplingParams { temperature, ..Default::default() };
+            params.validate()?;
+            if max_tokens == 0 {
+                bail!("--max-tokens must be at least 1");
+            }
+            let items = selfspec::data::read_prompts(&prompts)?;
+            let target = load(&model)?;
+            let done = selfspec::distill::done_ids(&out)?;
+            let todo: Vec<_> = items.iter().filter(|i| !done.contains(&i.id)).collect();
+            let bar = progress(todo.len() as u64, "distill");
+            let t0 = std::time::Instant::now();
+            let mut tokens = 0usize;
+            for (n, item) in todo.iter().enumerate() {
+                let rec = selfspec::distill::answer(&target, item, &params, max_tokens, seed.wrapping_add(n as u64))?;
+                tokens += rec.new_tokens;
+                selfspec::distill::append_record(&out, &rec)?;
+                bar.set_message(format!("{:.1} tok/s", tokens as f64 / t0.elapsed().as_secs_f64()));
+                bar.inc(1);
+            }
+            bar.finish_and_clear();
             eprintln!(
-                "prompt {} tokens, {} new tokens | prefill {:.1} tok/s | decode {:.1} tok/s",
-                stats.prompt_tokens,
-                stats.new_tokens,
-                stats.prefill_tok_s(),
-                stats.decode_tok_s()
+                "distill: {} answered now, {} already done, {} tokens in {:.0}s ({:.1} tok/s) -> {}",
+                todo.len(),
+                done.len(),
+                tokens,
+                t0.elapsed().as_secs_f64(),
+                tokens as f64 / t0.elapsed().as_secs_f64().max(1e-9),
+                out.display()
+            );
+        }
+        Command::Train {
+            model, data, out, heads, layers, own_lm_head, epochs, lr, seq_len, batch_tokens, loss, decay,
+            val_fraction, warmup, checkpoint_every, seed, resume, cache_hidden, max_steps, draft_vocab,
+        } => {
+            let cfg = TrainConfig {
+                num_heads: heads,
+                num_layers: layers,
+                own_lm_head,
+                epochs,
+                lr,
+                weight_decay: 0.0,
+                warmup_steps: warmup,
+                grad_clip: 1.0,
+                seq_len,
+                batch_tokens,
+                loss: if loss == "hard" { LossKind::Hard } else { LossKind::Soft },
+                decay,
+                val_fraction,
+                seed,
+                checkpoint_every: checkpoint_every.max(1),
+                max_steps,
+                draft_vocab,
+            };
+            cfg.validate()?;
+            let target = load(&model)?;
+            let render = |m: &[selfspec::tokenizer::Message]| -> selfspec::Result<String> {
+                match &target.chat_template {
+                    Some(t) => t.render(m, false, &target.tokenizer.bos_token, &target.tokenizer.eos_token),
+                    None => Ok(m.iter().map(|x| x.content.as_str()).collect::<Vec<_>>().join("\n")),
+                }
+            };
+            let docs = selfspec::data::read_corpus(&data, &render)?;
+            let bar = progress(0, "train");
+            let mut prog = |step: usize, total: usize, loss: f64, acc: &[f64], tps: f64| {
+                bar.set_length(total as u64);
+                bar.set_position(step as u64);
+                let a: Vec<String> = acc.iter().map(|x| format!("{x:.2}")).collect();
+                bar.set_message(format!("loss {loss:.3} acc [{}] {tps:.0} tok/s", a.join(" ")));
+            };
+            let quiet = !std::io::stderr().is_terminal();
+            let mut log = |s: String| {
+                if quiet { eprintln!("{s}") } else { bar.println(s) }
+            };
+            let t0 = std::time::Instant::now();
+            let (trained, report) = train(&target, &docs, &cfg, &out, resume, cache_hidden.as_deref(), &mut prog, &mut log)?;
+            bar.finish_and_clear();
+            if cfg.max_steps > 0 && report.steps == cfg.max_steps {
+                eprintln!("stopped at step {} (--max-steps); continue with --resume", report.steps);
+            }
+            let recipe = serde_json::json!({
+                "command": std::env::args().collect::<Vec<_>>().join(" "),
+                "data": describe_inputs(&data),
+                "config": cfg,
+                "train_tokens": report.train_tokens,
+                "val_tokens": report.val_tokens,
+                "steps": report.steps,
+                "final_loss": report.final_loss,
+                "val_top1": report.val.last().map(|v| v.top1.clone()),
+                "val_top5": report.val.last().map(|v| v.top5.clone()),
+                "hidden_secs": report.hidden_secs,
+                "train_secs": report.train_secs,
+                "train_tokens_per_sec": report.train_tokens_per_sec,
+                "wall_secs": t0.elapsed().as_secs_f64(),
+            });
+            let trained = trained.with_recipe(recipe.clone());
+            trained.save(&out)?;
+            selfspec::error::write_atomic(&out.join("report.json"), serde_json::to_string_pretty(&recipe)?.as_bytes())?;
+            let v = report.val.last().cloned().unwrap_or_default();
+            eprintln!(
+                "trained {} heads: {} steps, {} train tokens, loss {:.3}, {:.0} tok/s | held-out top-1 {:?} top-5 {:?} (vs the target's own greedy tokens) -> {}",
+                cfg.num_heads,
+                report.steps,
+                report.train_tokens,
+                report.final_loss,
+                report.train_tokens_per_sec,
+                v.top1.iter().map(|x| format!("{x:.3}")).collect::<Vec<_>>(),
+                v.top5.iter().map(|x| format!("{x:.3}")).collect::<Vec<_>>(),
+                out.display()
             );
         }
         Command::Bench { model, context, tokens, reps, json } => {
@@ -154,7 +425,6 @@ fn run(cli: Cli) -> Result<()> {
                     println!("{:>6} {:>10.2} {:>8.2}", r.tokens, r.median_ms, r.ratio);
                 }
             }
-            let _ = std::io::stderr().is_terminal();
         }
     }
     Ok(())

@@ -1,0 +1,187 @@
+//! Self-speculative decoding: heads draft a tree from the last accepted hidden state, one target
+//! forward checks the whole tree, [`crate::verify`] decides what is emitted, and the KV cache is
+//! compacted to the accepted path.
+use std::time::Instant;
+
+use crate::generate::{check_budget, prefill, GenStats, StopRule};
+use crate::heads::Heads;
+use crate::model::{row_to_vec, Llama};
+use crate::sampling::{Rng64, SamplingParams};
+use crate::tree::{dynamic_tree, Tree};
+use crate::verify::{verify, Rule};
+use crate::{Error, Result};
+
+/// How each step's tree is chosen.
+#[derive(Debug, Clone)]
+pub enum TreeChoice {
+    Static(Tree),
+    /// Grow per step from the heads' probabilities, keeping this many nodes (root included).
+    Dynamic(usize),
+}
+
+impl TreeChoice {
+    /// `cpu`, `gpu`, `chain`, `chain:N`, `dynamic`, `dynamic:N`, or a tree file.
+    pub fn parse(spec: &str) -> Result<Self> {
+        if spec == "dynamic" {
+            return Ok(TreeChoice::Dynamic(12));
+        }
+        if let Some(n) = spec.strip_prefix("dynamic:") {
+            let n: usize = n.parse().map_err(|_| Error::InvalidTree(format!("bad node count in '{spec}'")))?;
+            if n < 2 {
+                return Err(Error::InvalidTree("a dynamic tree needs at least 2 nodes".into()));
+            }
+            return Ok(TreeChoice::Dynamic(n));
+        }
+        Ok(TreeChoice::Static(Tree::parse_spec(spec)?))
+    }
+
+    pub fn validate_for(&self, heads: &Heads) -> Result<()> {
+        match self {
+            TreeChoice::Static(t) => t.validate_for(heads.num_heads(), TOP_K_LIMIT),
+            TreeChoice::Dynamic(_) => Ok(()),
+        }
+    }
+}
+
+/// Deepest rank a tree may use: heads report this many candidates per position.
+pub const TOP_K_LIMIT: usize = 16;
+/// Ranks kept for per-head top-5 accuracy.
+const ACC_K: usize = 5;
+
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct SpecStats {
+    pub gen: GenStats,
+    /// accept_hist[m] = steps that accepted m drafted tokens (plus one correction/bonus token).
+    pub accept_hist: Vec<usize>,
+    /// For a static tree: per node, (times its parent was accepted, times it was accepted).
+    pub node_tries_hits: Vec<(usize, usize)>,
+    /// Per head: (positions checked, top-1 hits, top-5 hits) against the target's own tokens.
+    pub head_acc: Vec<(usize, usize, usize)>,
+    pub tree_nodes_total: usize,
+}
+
+impl SpecStats {
+    /// Tokens per target forward, the bonus token counted (plain decoding = 1.0).
+    pub fn tau(&self) -> f64 {
+        self.gen.tau()
+    }
+}
+
+pub struct SpecOptions<'a> {
+    pub tree: TreeChoice,
+    pub rule: Rule,
+    pub params: SamplingParams,
+    pub stop: StopRule<'a>,
+}
+
+/// Generate with self-speculation. `on_token` sees each emitted token as soon as it is accepted.
+pub fn generate_spec(
+    model: &Llama,
+    heads: &Heads,
+    prompt: &[u32],
+    opts: &SpecOptions,
+    rng: &mut Rng64,
+    on_token: &mut dyn FnMut(u32) -> Result<()>,
+) -> Result<(Vec<u32>, SpecStats)> {
+    opts.params.validate()?;
+    opts.tree.validate_for(heads)?;
+    let max_pos = model.config().max_position;
+    let budget = check_budget(prompt.len(), opts.stop.max_new_tokens, max_pos)?;
+    let k_heads = heads.num_heads();
+    let t0 = Instant::now();
+    let (mut cache, logits, mut h_last) = prefill(model, prompt)?;
+    let prefill_secs = t0.elapsed().as_secs_f64();
+    let t1 = Instant::now();
+    let mut history = prompt.to_vec();
+    let mut out: Vec<u32> = Vec::new();
+    let mut stats = SpecStats { head_acc: vec![(0, 0, 0); k_heads], ..Default::default() };
+    if let TreeChoice::Static(t) = &opts.tree {
+        stats.node_tries_hits = vec![(0, 0); t.len()];
+    }
+    // (index in `out` of the root, per head top-5 draft ids) for accuracy after the fact.
+    let mut drafts: Vec<(usize, Vec<Vec<u32>>)> = Vec::new();
+
+    let first = opts.params.choose(&logits, &history, rng);
+    let mut done = emit(first, &mut out, &mut history, opts, budget, on_token)?;
+    while !done && cache.len() + 1 < max_pos {
+        let committed = cache.len();
+        let want = match &opts.tree {
+            TreeChoice::Static(t) => t.ranks_per_depth().into_iter().max().unwrap_or(1),
+            TreeChoice::Dynamic(n) => (*n).min(TOP_K_LIMIT),
+        };
+        let top = heads.draft_top_k(&h_last, model, want.max(ACC_K))?;
+        drafts.push((out.len() - 1, top.iter().map(|r| r.iter().take(ACC_K).map(|x| x.0).collect()).collect()));
+        let mut tree = match &opts.tree {
+            TreeChoice::Static(t) => t.clone(),
+            TreeChoice::Dynamic(n) => dynamic_tree(&top.iter().map(|r| r[..want.min(r.len())].to_vec()).collect::<Vec<_>>(), *n),
+        };
+        if committed + tree.len() > max_pos {
+            tree = Tree::from_paths(&[]).expect("root-only tree");
+        }
+        let tokens: Vec<u32> = tree
+            .nodes()
+            .iter()
+            .map(|n| if n.depth == 0 { *out.last().unwrap() } else { top[n.depth - 1][n.rank].0 })
+            .collect();
+        let hidden = model.forward(&tokens, &tree.positions(committed), &tree.mask(), &mut cache)?;
+        let all_logits = model.logits(&hidden)?;
+        let verdict = verify(&tree, &tokens, &history, &opts.params, opts.rule, rng, &mut |i| row_to_vec(&all_logits, i))?;
+        let slots: Vec<usize> = verdict.accepted.iter().map(|&a| committed + a).collect();
+        cache.compact(committed, &slots)?;
+        let last = *verdict.accepted.last().unwrap();
+        h_last = hidden.narrow(0, last, 1)?;
+        stats.gen.target_forwards += 1;
+        stats.tree_nodes_total += tree.len();
+        let m = verdict.accepted.len() - 1;
+        if stats.accept_hist.len() <= m {
+            stats.accept_hist.resize(m + 1, 0);
+        }
+        stats.accept_hist[m] += 1;
+        if let TreeChoice::Static(_) = &opts.tree {
+            for (i, n) in tree.nodes().iter().enumerate().skip(1) {
+                if verdict.accepted.contains(&n.parent.unwrap()) {
+                    stats.node_tries_hits[i].0 += 1;
+                    if verdict.accepted.contains(&i) {
+                        stats.node_tries_hits[i].1 += 1;
+                    }
+                }
+            }
+        }
+        for &tok in &verdict.emitted {
+            done = emit(tok, &mut out, &mut history, opts, budget, on_token)?;
+            if done {
+                break;
+            }
+        }
+    }
+    // Head accuracy against what the target actually emitted.
+    for (root_idx, per_head) in &drafts {
+        for (k, cands) in per_head.iter().enumerate() {
+            if let Some(&truth) = out.get(root_idx + 1 + k) {
+                let a = &mut stats.head_acc[k];
+                a.0 += 1;
+                a.1 += (cands.first() == Some(&truth)) as usize;
+                a.2 += cands.contains(&truth) as usize;
+            }
+        }
+    }
+    stats.gen.prompt_tokens = prompt.len();
+    stats.gen.new_tokens = out.len();
+    stats.gen.prefill_secs = prefill_secs;
+    stats.gen.decode_secs = t1.elapsed().as_secs_f64();
+    Ok((out, stats))
+}
+
+fn emit(
+    tok: u32,
+    out: &mut Vec<u32>,
+    history: &mut Vec<u32>,
+    opts: &SpecOptions,
+    budget: usize,
+    on_token: &mut dyn FnMut(u32) -> Result<()>,
+) -> Result<bool> {
+    out.push(tok);
+    history.push(tok);
+    on_token(tok)?;
+    Ok(opts.stop.eos_ids.contains(&tok) || out.len() >= budget)
+}

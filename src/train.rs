@@ -1,0 +1,564 @@
+//! Training draft heads with the backbone frozen.
+//!
+//! The target's hidden states are computed once per chunk without gradients (and optionally
+//! cached on disk); only the heads learn. Loss = sum_k decay^k * CE(head_k(h_t), label_{t,k}),
+//! with hard labels (the corpus token t+k+2) or soft labels (the target's own distribution for
+//! that token, softmax(lm_head(h_{t+k+1}))). AdamW, cosine schedule with warm-up, gradient
+//! clipping, atomic checkpoints, and exact resume: optimizer moments and the step counter are
+//! checkpointed and the batch order is a pure function of (seed, epoch).
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use candle_core::{Tensor, Var, D};
+use candle_nn::VarMap;
+use rand::seq::SliceRandom;
+use serde::{Deserialize, Serialize};
+
+use crate::heads::{Heads, HeadsConfig};
+use crate::loader::Target;
+use crate::{Error, Result};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LossKind {
+    Hard,
+    Soft,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TrainConfig {
+    pub num_heads: usize,
+    pub num_layers: usize,
+    pub own_lm_head: bool,
+    pub epochs: usize,
+    pub lr: f64,
+    pub weight_decay: f64,
+    pub warmup_steps: usize,
+    pub grad_clip: f64,
+    pub seq_len: usize,
+    pub batch_tokens: usize,
+    pub loss: LossKind,
+    pub decay: f64,
+    pub val_fraction: f64,
+    pub seed: u64,
+    pub checkpoint_every: usize,
+    /// Stop after this many optimizer steps (for tests of interruption); 0 = run to the end.
+    #[serde(default)]
+    pub max_steps: usize,
+    /// Draft vocabulary: the N most frequent corpus tokens (0 = the full vocabulary).
+    #[serde(default)]
+    pub draft_vocab: usize,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            num_heads: 4,
+            num_layers: 1,
+            own_lm_head: false,
+            epochs: 2,
+            lr: 1e-3,
+            weight_decay: 0.0,
+            warmup_steps: 20,
+            grad_clip: 1.0,
+            seq_len: 256,
+            batch_tokens: 512,
+            loss: LossKind::Soft,
+            decay: 0.8,
+            val_fraction: 0.05,
+            seed: 0,
+            checkpoint_every: 50,
+            max_steps: 0,
+            draft_vocab: 8192,
+        }
+    }
+}
+
+impl TrainConfig {
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: &str| Err(Error::InvalidArgument(m.into()));
+        if self.num_heads == 0 || self.num_layers == 0 {
+            return bad("--heads and --layers must be at least 1");
+        }
+        if self.seq_len < self.num_heads + 3 {
+            return bad("--seq-len must exceed the number of heads by at least 3");
+        }
+        if self.batch_tokens == 0 || self.epochs == 0 || !(self.lr > 0.0) {
+            return bad("--batch-tokens, --epochs and --lr must be positive");
+        }
+        if !(0.0..0.9).contains(&self.val_fraction) {
+            return bad("--val-fraction must be in [0, 0.9)");
+        }
+        if !(self.decay > 0.0 && self.decay <= 1.0) {
+            return bad("--decay must be in (0, 1]");
+        }
+        if self.own_lm_head && self.draft_vocab > 0 {
+            return bad("--own-lm-head needs the full vocabulary: add --draft-vocab 0");
+        }
+        Ok(())
+    }
+}
+
+/// Per-head accuracy on held-out text, against the target's own greedy next tokens.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct HeadAccuracy {
+    pub positions: usize,
+    pub top1: Vec<f64>,
+    pub top5: Vec<f64>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TrainReport {
+    pub train_tokens: usize,
+    pub val_tokens: usize,
+    pub steps: usize,
+    pub final_loss: f64,
+    pub losses: Vec<f64>,
+    pub val: Vec<HeadAccuracy>,
+    pub hidden_secs: f64,
+    pub train_secs: f64,
+    pub train_tokens_per_sec: f64,
+}
+
+/// Tokenised chunks of at most `seq_len` tokens; each document starts a new chunk.
+pub fn chunk_documents(target: &Target, docs: &[String], seq_len: usize, min_len: usize) -> Result<Vec<Vec<u32>>> {
+    let mut chunks = Vec::new();
+    for d in docs {
+        let ids = target.tokenizer.encode(d, true)?;
+        for c in ids.chunks(seq_len) {
+            if c.len() >= min_len {
+                chunks.push(c.to_vec());
+            }
+        }
+    }
+    Ok(chunks)
+}
+
+/// The frozen backbone's final hidden states for one chunk, from the disk cache when present.
+pub fn hidden_states(target: &Target, chunk: &[u32], cache_dir: Option<&Path>) -> Result<Tensor> {
+    let file = cache_dir.map(|d| {
+        use sha2::Digest;
+        let mut h = sha2::Sha256::new();
+        for t in chunk {
+            h.update(t.to_le_bytes());
+        }
+        let fp = target.fingerprint().map(|f| f.hash).unwrap_or_default();
+        h.update(fp.as_bytes());
+        let name: String = h.finalize().iter().take(12).map(|b| format!("{b:02x}")).collect();
+        d.join(format!("{name}.safetensors"))
+    });
+    if let Some(f) = &file {
+        if f.exists() {
+            if let Ok(m) = candle_core::safetensors::load(f, target.model.device()) {
+                if let Some(t) = m.get("h") {
+                    return Ok(t.clone());
+                }
+            }
+        }
+    }
+    let mut cache = target.model.new_cache()?;
+    let h = target.model.forward_causal(chunk, &mut cache)?;
+    if let Some(f) = &file {
+        std::fs::create_dir_all(f.parent().unwrap()).map_err(|e| Error::io(f, e))?;
+        let tmp = f.with_extension("tmp");
+        candle_core::safetensors::save(&HashMap::from([("h".to_string(), h.clone())]), &tmp)?;
+        std::fs::rename(&tmp, f).map_err(|e| Error::io(f, e))?;
+    }
+    Ok(h)
+}
+
+/// AdamW whose moments can be saved and restored, so a resumed run is bit-for-bit the
+/// uninterrupted one.
+pub struct AdamW {
+    vars: Vec<(String, Var)>,
+    m: Vec<Tensor>,
+    v: Vec<Tensor>,
+    pub step: usize,
+    beta1: f64,
+    beta2: f64,
+    eps: f64,
+    weight_decay: f64,
+}
+
+impl AdamW {
+    pub fn new(varmap: &VarMap, weight_decay: f64) -> Result<Self> {
+        let data = varmap.data().lock().unwrap();
+        let mut vars: Vec<(String, Var)> = data.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        let m = vars.iter().map(|(_, v)| v.zeros_like()).collect::<candle_core::Result<Vec<_>>>()?;
+        let vv = vars.iter().map(|(_, v)| v.zeros_like()).collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(AdamW { vars, m, v: vv, step: 0, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay })
+    }
+
+    /// One update with global-norm gradient clipping.
+    pub fn step(&mut self, grads: &candle_core::backprop::GradStore, lr: f64, clip: f64) -> Result<f64> {
+        let mut sq = 0f64;
+        for (_, var) in &self.vars {
+            if let Some(g) = grads.get(var.as_tensor()) {
+                sq += g.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
+            }
+        }
+        let norm = sq.sqrt();
+        let scale = if clip > 0.0 && norm > clip { clip / norm } else { 1.0 };
+        self.step += 1;
+        let t = self.step as i32;
+        let (b1, b2) = (self.beta1, self.beta2);
+        for (i, (_, var)) in self.vars.iter().enumerate() {
+            let Some(g) = grads.get(var.as_tensor()) else { continue };
+            let g = (g * scale)?;
+            self.m[i] = ((&self.m[i] * b1)? + (&g * (1.0 - b1))?)?;
+            self.v[i] = ((&self.v[i] * b2)? + (g.sqr()? * (1.0 - b2))?)?;
+            let mhat = (&self.m[i] / (1.0 - b1.powi(t)))?;
+            let vhat = (&self.v[i] / (1.0 - b2.powi(t)))?;
+            let upd = (mhat / (vhat.sqrt()? + self.eps)?)?;
+            let decayed = (var.as_tensor() * (1.0 - lr * self.weight_decay))?;
+            var.set(&(decayed - (upd * lr)?)?)?;
+        }
+        Ok(norm)
+    }
+
+    fn state(&self) -> HashMap<String, Tensor> {
+        let mut s = HashMap::new();
+        for (i, (name, var)) in self.vars.iter().enumerate() {
+            s.insert(format!("param/{name}"), var.as_tensor().clone());
+            s.insert(format!("m/{name}"), self.m[i].clone());
+            s.insert(format!("v/{name}"), self.v[i].clone());
+        }
+        s
+    }
+
+    fn restore(&mut self, s: &HashMap<String, Tensor>, step: usize) -> Result<()> {
+        for (i, (name, var)) in self.vars.iter().enumerate() {
+            let get = |k: String| s.get(&k).cloned().ok_or_else(|| Error::InvalidArgument(format!("checkpoint lacks {k}")));
+            var.set(&get(format!("param/{name}"))?)?;
+            self.m[i] = get(format!("m/{name}"))?;
+            self.v[i] = get(format!("v/{name}"))?;
+        }
+        self.step = step;
+        Ok(())
+    }
+}
+
+/// Cosine schedule with linear warm-up, to 10% of the peak at the end.
+pub fn learning_rate(step: usize, total: usize, warmup: usize, peak: f64) -> f64 {
+    if step < warmup {
+        return peak * (step + 1) as f64 / warmup as f64;
+    }
+    let p = (step - warmup) as f64 / (total.saturating_sub(warmup)).max(1) as f64;
+    peak * (0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * p.min(1.0)).cos()))
+}
+
+#[derive(Serialize, Deserialize)]
+struct CheckpointMeta {
+    step: usize,
+    losses: Vec<f64>,
+    config: TrainConfig,
+}
+
+const CKPT_TENSORS: &str = "checkpoint.safetensors";
+const CKPT_META: &str = "checkpoint.json";
+
+/// Row indices and labels of one batch: positions `t` of chunks, with per-head targets.
+struct Batch {
+    h: Tensor,
+    /// Hard labels `[K][B]` (u32::MAX = no label), or None for soft.
+    hard: Option<Vec<Vec<u32>>>,
+    /// Soft label rows: per head, per row, the chunk row index of h_{t+k+1} (usize::MAX = none).
+    soft_rows: Option<(Tensor, Vec<Vec<usize>>)>,
+    valid: Vec<Vec<bool>>,
+}
+
+fn make_batch(chunks: &[(Vec<u32>, Tensor)], ids: &[usize], k_heads: usize, loss: LossKind, slot: &dyn Fn(u32) -> Option<u32>) -> Result<Batch> {
+    let mut hs = Vec::new();
+    let mut hard = vec![Vec::new(); k_heads];
+    let mut valid = vec![Vec::new(); k_heads];
+    let mut soft_idx = vec![Vec::new(); k_heads];
+    let mut offset = 0;
+    for &i in ids {
+        let (toks, h) = &chunks[i];
+        let n = toks.len();
+        let rows = n - 2; // positions t with at least the head-0 label t+2
+        hs.push(h.narrow(0, 0, rows)?);
+        for t in 0..rows {
+            for k in 0..k_heads {
+                let label = if t + k + 2 < n { slot(toks[t + k + 2]) } else { None };
+                let ok = t + k + 2 < n && (loss == LossKind::Soft || label.is_some());
+                valid[k].push(ok);
+                hard[k].push(label.unwrap_or(u32::MAX));
+                soft_idx[k].push(if ok { offset + t + k + 1 } else { usize::MAX });
+            }
+        }
+        offset += n;
+    }
+    let h = Tensor::cat(&hs, 0)?;
+    let soft_rows = if loss == LossKind::Soft {
+        let full: Vec<Tensor> = ids.iter().map(|&i| chunks[i].1.clone()).collect();
+        Some((Tensor::cat(&full, 0)?, soft_idx))
+    } else {
+        None
+    };
+    Ok(Batch { h, hard: if loss == LossKind::Hard { Some(hard) } else { None }, soft_rows, valid })
+}
+
+fn batch_loss(heads: &Heads, lm: &Tensor, b: &Batch, decay: f64) -> Result<(Tensor, Vec<(usize, usize)>)> {
+    // Soft targets and logits live in the draft vocabulary when there is one.
+    let proj = heads.projection(0, lm);
+    let logits = heads.train_logits(&b.h, lm)?; // [K, B, V]
+    let (k_heads, rows, _) = logits.dims3()?;
+    let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+    let dev = logits.device();
+    let mut total: Option<Tensor> = None;
+    let mut acc = Vec::with_capacity(k_heads);
+    let argmax: Vec<Vec<u32>> = logits.argmax(D::Minus1)?.to_vec2()?;
+    // Soft targets: the target's own distribution at the row each head predicts.
+    let soft_probs = match &b.soft_rows {
+        Some((full, _)) => Some(candle_nn::ops::softmax(&full.matmul(&proj.t()?)?, D::Minus1)?),
+        None => None,
+    };
+    for k in 0..k_heads {
+        let mask: Vec<f32> = b.valid[k].iter().map(|&v| v as u8 as f32).collect();
+        let n_valid = mask.iter().sum::<f32>().max(1.0);
+        let mask_t = Tensor::from_vec(mask, rows, dev)?;
+        let lp = logp.get(k)?;
+        let (per_row, truth): (Tensor, Vec<u32>) = match (&b.hard, &soft_probs, &b.soft_rows) {
+            (Some(h), _, _) => {
+                let labels: Vec<u32> = h[k].iter().map(|&x| if x == u32::MAX { 0 } else { x }).collect();
+                let lt = Tensor::from_vec(labels.clone(), (rows, 1), dev)?;
+                (lp.gather(&lt, 1)?.squeeze(1)?.neg()?, labels)
+            }
+            (None, Some(p), Some((_, idx))) => {
+                let ix: Vec<u32> = idx[k].iter().map(|&x| if x == usize::MAX { 0 } else { x as u32 }).collect();
+                let target = p.index_select(&Tensor::new(ix.as_slice(), dev)?, 0)?;
+                let truth: Vec<u32> = target.argmax(D::Minus1)?.to_vec1()?;
+                ((target * &lp)?.sum(D::Minus1)?.neg()?, truth)
+            }
+            _ => unreachable!("a batch has hard or soft labels"),
+        };
+        let l = ((per_row * &mask_t)?.sum_all()? / n_valid as f64)?;
+        let hits = (0..rows).filter(|&r| b.valid[k][r] && argmax[k][r] == truth[r]).count();
+        acc.push((hits, n_valid as usize));
+        let w = decay.powi(k as i32);
+        let term = (l * w)?;
+        total = Some(match total {
+            None => term,
+            Some(t) => (t + term)?,
+        });
+    }
+    Ok((total.expect("at least one head"), acc))
+}
+
+/// Top-1/top-5 of each head against the target's own greedy token on held-out chunks.
+pub fn validate(heads: &Heads, target: &Target, chunks: &[(Vec<u32>, Tensor)]) -> Result<HeadAccuracy> {
+    let k_heads = heads.num_heads();
+    let lm = target.model.lm_head().weight();
+    let mut top1 = vec![0usize; k_heads];
+    let mut top5 = vec![0usize; k_heads];
+    let mut counts = vec![0usize; k_heads];
+    for (toks, h) in chunks {
+        let n = toks.len();
+        let own: Vec<u32> = h.matmul(&lm.t()?)?.argmax(D::Minus1)?.to_vec1()?; // own[t] = target's token t+1
+        let logits = heads.train_logits(&h.narrow(0, 0, n - 2)?, lm)?;
+        for k in 0..k_heads {
+            let lk = logits.get(k)?;
+            let top = crate::heads::top_k_rows(&lk, 5)?;
+            let id = |i: u32| heads.draft_vocab().map_or(i, |v| v[i as usize]);
+            for t in 0..n - 2 {
+                if t + k + 1 < n {
+                    let truth = own[t + k + 1];
+                    counts[k] += 1;
+                    top1[k] += (id(top[t][0].0) == truth) as usize;
+                    top5[k] += top[t].iter().any(|x| id(x.0) == truth) as usize;
+                }
+            }
+        }
+    }
+    let frac = |a: &[usize]| a.iter().zip(&counts).map(|(&x, &c)| x as f64 / c.max(1) as f64).collect();
+    Ok(HeadAccuracy { positions: counts.first().copied().unwrap_or(0), top1: frac(&top1), top5: frac(&top5) })
+}
+
+/// Progress callback: (step, total steps, loss, per-head running accuracy, tokens/s).
+pub type Progress<'a> = &'a mut dyn FnMut(usize, usize, f64, &[f64], f64);
+
+/// Train heads on `docs`, writing checkpoints and the final heads into `out`.
+pub fn train(
+    target: &Target,
+    docs: &[String],
+    cfg: &TrainConfig,
+    out: &Path,
+    resume: bool,
+    cache_hidden: Option<&Path>,
+    progress: Progress,
+    log: &mut dyn FnMut(String),
+) -> Result<(Heads, TrainReport)> {
+    cfg.validate()?;
+    std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
+    let k_heads = cfg.num_heads;
+    let chunks = chunk_documents(target, docs, cfg.seq_len, k_heads + 3)?;
+    if chunks.is_empty() {
+        return Err(Error::InvalidArgument(format!("the corpus gives no chunk of at least {} tokens", k_heads + 3)));
+    }
+    let mut order: Vec<usize> = (0..chunks.len()).collect();
+    order.shuffle(&mut crate::sampling::rng(cfg.seed ^ 0x5eed));
+    let n_val = ((chunks.len() as f64 * cfg.val_fraction).round() as usize).min(chunks.len().saturating_sub(1));
+    let (val_ids, train_ids) = order.split_at(n_val);
+    let t_hidden = Instant::now();
+    let with_h = |ids: &[usize]| -> Result<Vec<(Vec<u32>, Tensor)>> {
+        ids.iter().map(|&i| Ok((chunks[i].clone(), hidden_states(target, &chunks[i], cache_hidden)?))).collect()
+    };
+    let train_set = with_h(train_ids)?;
+    let val_set = with_h(val_ids)?;
+    let hidden_secs = t_hidden.elapsed().as_secs_f64();
+    let train_tokens: usize = train_set.iter().map(|c| c.0.len()).sum();
+    let val_tokens: usize = val_set.iter().map(|c| c.0.len()).sum();
+    log(format!("{} train chunks ({train_tokens} tokens), {} validation chunks ({val_tokens} tokens); hidden states in {hidden_secs:.0}s", train_set.len(), val_set.len()));
+
+    // Batches: consecutive chunks of the epoch's permutation up to batch_tokens.
+    let batches_for_epoch = |epoch: usize| -> Vec<Vec<usize>> {
+        let mut ids: Vec<usize> = (0..train_set.len()).collect();
+        ids.shuffle(&mut crate::sampling::rng(cfg.seed.wrapping_add(1000 + epoch as u64)));
+        let mut out = vec![];
+        let mut cur = vec![];
+        let mut toks = 0;
+        for i in ids {
+            toks += train_set[i].0.len();
+            cur.push(i);
+            if toks >= cfg.batch_tokens {
+                out.push(std::mem::take(&mut cur));
+                toks = 0;
+            }
+        }
+        if !cur.is_empty() {
+            out.push(cur);
+        }
+        out
+    };
+    let per_epoch = batches_for_epoch(0).len();
+    let total_steps = per_epoch * cfg.epochs;
+
+    let device = target.model.device().clone();
+    let varmap = VarMap::new();
+    let lm = target.model.lm_head().weight().clone();
+    let mcfg = target.model.config();
+    let hcfg = HeadsConfig {
+        num_heads: k_heads,
+        num_layers: cfg.num_layers,
+        hidden_size: mcfg.hidden_size,
+        vocab_size: mcfg.vocab_size,
+        own_lm_head: cfg.own_lm_head,
+        target: target.fingerprint()?,
+        draft_vocab_size: None,
+        recipe: serde_json::Value::Null,
+    };
+    let mut heads = Heads::init(&varmap, &hcfg, &lm, &device)?;
+    let mut slot_of: HashMap<u32, u32> = HashMap::new();
+    if cfg.draft_vocab > 0 && cfg.draft_vocab < mcfg.vocab_size {
+        let ids = frequent_tokens(train_set.iter().map(|c| c.0.as_slice()), cfg.draft_vocab, &target.tokenizer.eos_ids);
+        slot_of = ids.iter().enumerate().map(|(i, &t)| (t, i as u32)).collect();
+        log(format!("draft vocabulary: the {} most frequent corpus tokens", ids.len()));
+        heads.set_draft_vocab(ids, &lm)?;
+    }
+    let restricted = heads.draft_vocab().is_some();
+    let slot = |t: u32| -> Option<u32> { if restricted { slot_of.get(&t).copied() } else { Some(t) } };
+    let mut opt = AdamW::new(&varmap, cfg.weight_decay)?;
+    let mut losses = Vec::new();
+    if resume && out.join(CKPT_META).exists() {
+        let meta_path = out.join(CKPT_META);
+        let text = std::fs::read_to_string(&meta_path).map_err(|e| Error::io(&meta_path, e))?;
+        let meta: CheckpointMeta = serde_json::from_str(&text).map_err(|e| Error::bad_file(&meta_path, format!("invalid checkpoint: {e}")))?;
+        if serde_json::to_value(&meta.config).ok() != serde_json::to_value(cfg).ok().map(|mut v| {
+            v["max_steps"] = serde_json::to_value(meta.config.max_steps).unwrap();
+            v
+        }) {
+            return Err(Error::bad_file(&meta_path, "the checkpoint was made with other training settings; resume with the same flags"));
+        }
+        let tp = out.join(CKPT_TENSORS);
+        let st = candle_core::safetensors::load(&tp, &device).map_err(|e| Error::bad_file(&tp, e.to_string()))?;
+        opt.restore(&st, meta.step)?;
+        losses = meta.losses;
+        log(format!("resumed from step {} of {total_steps}", meta.step));
+    }
+
+    let t_train = Instant::now();
+    let start_step = opt.step;
+    let mut tokens_seen = 0usize;
+    let mut running: Vec<f64> = vec![0.0; k_heads];
+    let mut step = opt.step;
+    while step < total_steps {
+        if cfg.max_steps > 0 && step >= cfg.max_steps {
+            break;
+        }
+        let epoch = step / per_epoch;
+        let batches = batches_for_epoch(epoch);
+        let ids = &batches[step % per_epoch];
+        let b = make_batch(&train_set, ids, k_heads, cfg.loss, &slot)?;
+        let (loss, acc) = batch_loss(&heads, &lm, &b, cfg.decay)?;
+        let grads = loss.backward()?;
+        let lr = learning_rate(step, total_steps, cfg.warmup_steps, cfg.lr);
+        opt.step(&grads, lr, cfg.grad_clip)?;
+        step = opt.step;
+        let lv = loss.to_scalar::<f32>()? as f64;
+        losses.push(lv);
+        tokens_seen += ids.iter().map(|&i| train_set[i].0.len()).sum::<usize>();
+        for (k, (h, n)) in acc.iter().enumerate() {
+            let a = *h as f64 / (*n).max(1) as f64;
+            running[k] = if step == start_step + 1 { a } else { 0.9 * running[k] + 0.1 * a };
+        }
+        progress(step, total_steps, lv, &running, tokens_seen as f64 / t_train.elapsed().as_secs_f64());
+        if step % cfg.checkpoint_every == 0 || step == total_steps {
+            save_checkpoint(out, &opt, &losses, cfg)?;
+        }
+        if step % per_epoch == 0 && !val_set.is_empty() {
+            let v = validate(&heads, target, &val_set)?;
+            log(format!("epoch {}: validation top-1 {:?} top-5 {:?}", step / per_epoch, fmt(&v.top1), fmt(&v.top5)));
+        }
+    }
+    let train_secs = t_train.elapsed().as_secs_f64();
+    let val = if val_set.is_empty() { HeadAccuracy::default() } else { validate(&heads, target, &val_set)? };
+    let report = TrainReport {
+        train_tokens,
+        val_tokens,
+        steps: step,
+        final_loss: losses.last().copied().unwrap_or(f64::NAN),
+        losses: losses.clone(),
+        val: vec![val],
+        hidden_secs,
+        train_secs,
+        train_tokens_per_sec: tokens_seen as f64 / train_secs.max(1e-9),
+    };
+    Ok((heads, report))
+}
+
+/// The `n` most frequent tokens of the corpus (ties: lower id), plus the end-of-sequence ids,
+/// in ascending id order.
+pub fn frequent_tokens<'a>(chunks: impl Iterator<Item = &'a [u32]>, n: usize, always: &[u32]) -> Vec<u32> {
+    let mut counts: HashMap<u32, usize> = HashMap::new();
+    for c in chunks {
+        for &t in c {
+            *counts.entry(t).or_default() += 1;
+        }
+    }
+    let mut by_freq: Vec<(u32, usize)> = counts.into_iter().collect();
+    by_freq.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    let mut ids: Vec<u32> = by_freq.into_iter().take(n.saturating_sub(always.len())).map(|x| x.0).collect();
+    ids.extend(always.iter().copied());
+    ids.sort_unstable();
+    ids.dedup();
+    ids
+}
+
+fn fmt(v: &[f64]) -> Vec<String> {
+    v.iter().map(|x| format!("{x:.3}")).collect()
+}
+
+fn save_checkpoint(out: &Path, opt: &AdamW, losses: &[f64], cfg: &TrainConfig) -> Result<()> {
+    let tmp = out.join(format!("{CKPT_TENSORS}.tmp"));
+    candle_core::safetensors::save(&opt.state(), &tmp)?;
+    std::fs::rename(&tmp, out.join(CKPT_TENSORS)).map_err(|e| Error::io(out.join(CKPT_TENSORS), e))?;
+    let meta = CheckpointMeta { step: opt.step, losses: losses.to_vec(), config: cfg.clone() };
+    crate::error::write_atomic(&out.join(CKPT_META), serde_json::to_string(&meta).expect("meta serialises").as_bytes())
+}
+
+/// Input paths of a run, for the recipe record.
+pub fn describe_inputs(paths: &[PathBuf]) -> Vec<String> {
+    paths.iter().map(|p| p.display().to_string()).collect()
+}
