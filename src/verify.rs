@@ -22,6 +22,10 @@ pub enum Rule {
     /// Medusa's typical acceptance: faster, but the output no longer follows the target's
     /// distribution. Opt-in only.
     LossyTypical { epsilon: f64, delta: f64 },
+    /// Deliberately wrong: after all children are rejected, draws from P instead of the residual.
+    /// Exists only so the exactness test can show it catches a broken rule.
+    #[doc(hidden)]
+    BrokenResampleFromTarget,
 }
 
 impl Rule {
@@ -80,7 +84,7 @@ pub fn verify(
                     None => break,
                 }
             }
-            Rule::Sample => {
+            Rule::Sample | Rule::BrokenResampleFromTarget => {
                 let mut r = params.distribution(&logits, &hist);
                 let mut next = None;
                 for &c in children {
@@ -110,6 +114,9 @@ pub fn verify(
                         u = c;
                     }
                     None => {
+                        if rule == Rule::BrokenResampleFromTarget {
+                            r = params.distribution(&logits, &hist);
+                        }
                         emitted.push(sample_from(&r, rng));
                         break;
                     }

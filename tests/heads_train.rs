@@ -1,0 +1,138 @@
+//! Heads files, Medusa format, and training: loss goes down, the backbone never learns, an
+//! interrupted run resumes to the same weights, bad input is refused.
+mod common;
+
+use candle_core::{Device, Tensor};
+use common::*;
+use selfspec::heads::Heads;
+use selfspec::train::{train, LossKind, TrainConfig};
+
+fn corpus() -> Vec<String> {
+    let base = "the cat sat on the mat. the dog ran in the sun. then the cat ran after the dog. ";
+    (0..12).map(|i| format!("{} {}", base.repeat(3), "the end ".repeat(i % 3 + 1))).collect()
+}
+
+fn quick_cfg() -> TrainConfig {
+    TrainConfig {
+        num_heads: 3,
+        epochs: 3,
+        lr: 3e-3,
+        warmup_steps: 2,
+        seq_len: 64,
+        batch_tokens: 128,
+        val_fraction: 0.2,
+        checkpoint_every: 2,
+        draft_vocab: 0,
+        loss: LossKind::Hard,
+        ..Default::default()
+    }
+}
+
+fn run(t: &selfspec::loader::Target, cfg: &TrainConfig, out: &std::path::Path, resume: bool) -> (Heads, selfspec::train::TrainReport) {
+    train(t, &corpus(), cfg, out, resume, None, &mut |_, _, _, _, _| {}, &mut |_| {}).unwrap()
+}
+
+fn weights(h: &Heads, dir: &std::path::Path) -> Vec<(String, Vec<f32>)> {
+    h.save(dir).unwrap();
+    let m = candle_core::safetensors::load(dir.join("heads.safetensors"), &Device::Cpu).unwrap();
+    let mut v: Vec<(String, Vec<f32>)> = m.into_iter().map(|(k, t)| (k, t.flatten_all().unwrap().to_vec1().unwrap())).collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+#[test]
+fn loss_decreases_and_backbone_is_frozen() {
+    let (_, t) = tiny_gguf("train-loss", 21);
+    let before: Vec<f32> = t.model.lm_head().weight().flatten_all().unwrap().to_vec1().unwrap();
+    let toks = t.tokenizer.encode("the cat sat on the mat", false).unwrap();
+    let h = selfspec::train::hidden_states(&t, &toks, None).unwrap();
+    assert!(!h.track_op(), "backbone hidden states must carry no gradient graph");
+    for loss in [LossKind::Hard, LossKind::Soft] {
+        let dir = scratch(&format!("train-loss-{loss:?}"));
+        let cfg = TrainConfig { loss, ..quick_cfg() };
+        let (_, rep) = run(&t, &cfg, &dir, false);
+        let n = rep.losses.len();
+        let first: f64 = rep.losses[..3].iter().sum::<f64>() / 3.0;
+        let last: f64 = rep.losses[n - 3..].iter().sum::<f64>() / 3.0;
+        assert!(last < first * 0.9, "{loss:?}: loss {first} -> {last}");
+    }
+    let after: Vec<f32> = t.model.lm_head().weight().flatten_all().unwrap().to_vec1().unwrap();
+    assert_eq!(before, after, "the backbone changed during training");
+}
+
+#[test]
+fn resumed_run_matches_uninterrupted_run() {
+    let (_, t) = tiny_gguf("train-resume", 22);
+    let full_dir = scratch("train-resume-full");
+    let (full, rep) = run(&t, &quick_cfg(), &full_dir, false);
+    let total = rep.steps;
+    assert!(total >= 6);
+    let part_dir = scratch("train-resume-part");
+    let (_, partial) = run(&t, &TrainConfig { max_steps: total / 2, ..quick_cfg() }, &part_dir, false);
+    assert_eq!(partial.steps, total / 2);
+    let (resumed, rep2) = run(&t, &quick_cfg(), &part_dir, true);
+    assert_eq!(rep2.steps, total);
+    assert_eq!(weights(&full, &scratch("w-full")), weights(&resumed, &scratch("w-resumed")), "resumed weights differ");
+}
+
+#[test]
+fn heads_round_trip_and_reject_other_targets() {
+    let (_, t) = tiny_gguf("heads-rt", 23);
+    let cfg = TrainConfig { epochs: 1, ..quick_cfg() };
+    let (h, _) = run(&t, &cfg, &scratch("heads-rt-train"), false);
+    let x = Tensor::randn(0f32, 1., (1, t.model.config().hidden_size), &Device::Cpu).unwrap();
+    let want: Vec<Vec<f32>> = h.draft_logits(&x, &t.model).unwrap().to_vec2().unwrap();
+    let dir = scratch("heads-rt-out");
+    h.save(&dir).unwrap();
+    let back = Heads::from_dir(&dir, &t).unwrap();
+    assert_eq!(back.draft_logits(&x, &t.model).unwrap().to_vec2::<f32>().unwrap(), want);
+    // Medusa format round trip.
+    let mdir = scratch("heads-rt-medusa");
+    h.export_medusa(&mdir, &t).unwrap();
+    assert!(mdir.join("medusa_lm_head.safetensors").exists() && mdir.join("config.json").exists());
+    let imported = Heads::import_medusa(&mdir, &t).unwrap();
+    assert!(!imported.config().own_lm_head, "a copied lm_head is recognised as shared");
+    assert_eq!(imported.draft_logits(&x, &t.model).unwrap().to_vec2::<f32>().unwrap(), want);
+    assert_eq!(Heads::from_dir(&mdir, &t).unwrap().num_heads(), h.num_heads());
+    // Another target (different weights) is refused, naming both.
+    let (_, other) = tiny_gguf("heads-rt-other", 99);
+    let e = Heads::from_dir(&dir, &other).err().expect("must refuse").to_string();
+    assert!(e.contains("trained for") && e.contains("hash"), "{e}");
+    // Missing files.
+    let empty = scratch("heads-rt-empty");
+    assert!(Heads::from_dir(&empty, &t).err().unwrap().to_string().contains("heads.json"));
+}
+
+#[test]
+fn draft_vocabulary_restricts_drafts() {
+    let (_, t) = tiny_gguf("heads-dv", 24);
+    let cfg = TrainConfig { epochs: 1, draft_vocab: 20, loss: LossKind::Soft, ..quick_cfg() };
+    let (h, _) = run(&t, &cfg, &scratch("heads-dv-train"), false);
+    let vocab = h.draft_vocab().unwrap().to_vec();
+    assert!(vocab.len() <= 20 && vocab.windows(2).all(|w| w[0] < w[1]));
+    let x = Tensor::randn(0f32, 1., (1, t.model.config().hidden_size), &Device::Cpu).unwrap();
+    for row in h.draft_top_k(&x, &t.model, 5).unwrap() {
+        assert!(row.iter().all(|(id, _)| vocab.contains(id)));
+    }
+    let dir = scratch("heads-dv-out");
+    h.save(&dir).unwrap();
+    assert_eq!(Heads::from_dir(&dir, &t).unwrap().draft_vocab().unwrap(), vocab.as_slice());
+}
+
+#[test]
+fn corpus_errors_are_clear() {
+    let (p, _) = tiny_gguf("train-cli", 25);
+    let dir = scratch("train-cli-data");
+    let empty = dir.join("empty.txt");
+    std::fs::write(&empty, "").unwrap();
+    let bin = dir.join("latin1.txt");
+    std::fs::write(&bin, [b'c', b'a', b'f', 0xe9, b'\n']).unwrap();
+    for (f, needle) in [(&empty, "empty corpus"), (&bin, "not UTF-8")] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_selfspec"))
+            .args(["train", "--model", p.to_str().unwrap(), "--data", f.to_str().unwrap(), "--out", dir.join("o").to_str().unwrap()])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(needle) && !err.contains("panicked"), "{err}");
+    }
+}

@@ -1,0 +1,177 @@
+//! Self-speculative decoding is exact: greedy output is byte-identical to plain greedy decoding,
+//! and sampled output follows the target's distribution (a chi-square test that a deliberately
+//! broken rule fails).
+mod common;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use common::*;
+use selfspec::generate::{generate_plain, StopRule};
+use selfspec::heads::{Heads, HeadsConfig};
+use selfspec::loader::Fingerprint;
+use selfspec::model::{row_to_vec, Llama};
+use selfspec::sampling::{rng, SamplingParams};
+use selfspec::spec::{generate_spec, SpecOptions, TreeChoice};
+use selfspec::tree::Tree;
+use selfspec::verify::Rule;
+
+/// A random model with a 16-token vocabulary and random heads that draft varied tokens.
+fn tiny16() -> (Llama, Heads) {
+    let mut cfg = selfspec::fixtures::tiny_config();
+    cfg.vocab_size = 16;
+    cfg.hidden_size = 32;
+    cfg.intermediate_size = 64;
+    cfg.head_dim = 8;
+    let w = selfspec::fixtures::random_weights(&cfg, 77).unwrap();
+    let model = Llama::load(VarBuilder::from_tensors(w, DType::F32, &Device::Cpu), &cfg).unwrap();
+    let hcfg = HeadsConfig {
+        num_heads: 2,
+        num_layers: 1,
+        hidden_size: 32,
+        vocab_size: 16,
+        own_lm_head: false,
+        target: Fingerprint { architecture: "llama".into(), hidden_size: 32, vocab_size: 16, hash: "test".into() },
+        draft_vocab_size: None,
+        recipe: serde_json::Value::Null,
+    };
+    let mut hw = HashMap::new();
+    for k in 0..2 {
+        hw.insert(format!("heads.{k}.blocks.0.weight"), Tensor::randn(0f32, 0.5, (32, 32), &Device::Cpu).unwrap());
+        hw.insert(format!("heads.{k}.blocks.0.bias"), Tensor::randn(0f32, 0.5, 32, &Device::Cpu).unwrap());
+    }
+    let heads = Heads::load(VarBuilder::from_tensors(hw, DType::F32, &Device::Cpu), &hcfg).unwrap();
+    (model, heads)
+}
+
+/// Exact joint distribution of the first three tokens after `prompt`, by enumeration.
+fn exact_joint(model: &Llama, prompt: &[u32], params: &SamplingParams) -> Vec<f64> {
+    let dist_after = |seq: &[u32]| -> Vec<f64> {
+        let mut c = model.new_cache().unwrap();
+        let h = model.forward_causal(seq, &mut c).unwrap();
+        let l = row_to_vec(&model.logits(&h).unwrap(), seq.len() - 1).unwrap();
+        params.distribution(&l, seq)
+    };
+    let mut joint = vec![0.0; 16 * 16 * 16];
+    let p1 = dist_after(prompt);
+    for a in 0..16u32 {
+        if p1[a as usize] == 0.0 {
+            continue;
+        }
+        let s1: Vec<u32> = prompt.iter().copied().chain([a]).collect();
+        let p2 = dist_after(&s1);
+        for b in 0..16u32 {
+            if p2[b as usize] == 0.0 {
+                continue;
+            }
+            let s2: Vec<u32> = s1.iter().copied().chain([b]).collect();
+            let p3 = dist_after(&s2);
+            for c in 0..16usize {
+                joint[(a as usize * 16 + b as usize) * 16 + c] = p1[a as usize] * p2[b as usize] * p3[c];
+            }
+        }
+    }
+    joint
+}
+
+/// Chi-square goodness of fit; bins expecting < 5 counts are pooled. Returns the p-value
+/// (Wilson-Hilferty approximation of the chi-square tail).
+fn chi_square_p(counts: &[usize], probs: &[f64], n: usize) -> f64 {
+    let (mut stat, mut df) = (0.0, 0usize);
+    let (mut pool_o, mut pool_e) = (0.0, 0.0);
+    for (&o, &p) in counts.iter().zip(probs) {
+        let e = p * n as f64;
+        if e < 5.0 {
+            pool_o += o as f64;
+            pool_e += e;
+            assert!(p > 0.0 || o == 0, "a token sequence with probability 0 was generated");
+        } else {
+            stat += (o as f64 - e).powi(2) / e;
+            df += 1;
+        }
+    }
+    if pool_e > 0.0 {
+        stat += (pool_o - pool_e).powi(2) / pool_e.max(1e-9);
+        df += 1;
+    }
+    let k = (df - 1) as f64;
+    let z = ((stat / k).powf(1.0 / 3.0) - (1.0 - 2.0 / (9.0 * k))) / (2.0 / (9.0 * k)).sqrt();
+    0.5 * erfc(z / std::f64::consts::SQRT_2)
+}
+
+fn erfc(x: f64) -> f64 {
+    // Numerical Recipes' erfc approximation, relative error < 1.2e-7.
+    let z = x.abs();
+    let t = 1.0 / (1.0 + 0.5 * z);
+    let r = t * (-z * z - 1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (-0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277))))))))).exp();
+    if x >= 0.0 { r } else { 2.0 - r }
+}
+
+fn sample_runs(model: &Llama, heads: &Heads, prompt: &[u32], params: &SamplingParams, rule: Rule, n: usize) -> Vec<usize> {
+    let tree = Tree::from_paths(&[vec![0], vec![1], vec![2], vec![0, 0], vec![0, 1], vec![1, 0]]).unwrap();
+    let opts = SpecOptions { tree: TreeChoice::Static(tree), rule, params: params.clone(), stop: StopRule { max_new_tokens: 3, eos_ids: &[] } };
+    let mut counts = vec![0usize; 16 * 16 * 16];
+    for seed in 0..n as u64 {
+        let (out, _) = generate_spec(model, heads, prompt, &opts, &mut rng(seed), &mut |_| Ok(())).unwrap();
+        counts[(out[0] as usize * 16 + out[1] as usize) * 16 + out[2] as usize] += 1;
+    }
+    counts
+}
+
+#[test]
+fn speculative_sampling_matches_the_target_distribution() {
+    let (model, heads) = tiny16();
+    let prompt = [3u32, 7, 1, 3];
+    let n = 20_000;
+    for params in [
+        SamplingParams { temperature: 1.0, ..Default::default() },
+        SamplingParams { temperature: 0.8, repetition_penalty: 1.8, presence_penalty: 0.4, ..Default::default() },
+    ] {
+        let exact = exact_joint(&model, &prompt, &params);
+        assert!((exact.iter().sum::<f64>() - 1.0).abs() < 1e-9);
+        let counts = sample_runs(&model, &heads, &prompt, &params, Rule::Sample, n);
+        let p = chi_square_p(&counts, &exact, n);
+        assert!(p >= 0.001, "exact rule rejected: p = {p} for {params:?}");
+        let broken = sample_runs(&model, &heads, &prompt, &params, Rule::BrokenResampleFromTarget, n);
+        let pb = chi_square_p(&broken, &exact, n);
+        assert!(pb < 0.001, "the test failed to catch a broken rule: p = {pb} for {params:?}");
+    }
+}
+
+fn committed_heads() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/heads/smollm2")
+}
+
+#[test]
+fn greedy_self_speculation_is_identical_to_plain_greedy() {
+    let t = smollm2();
+    let heads = Heads::from_dir(&committed_heads(), &t).unwrap();
+    let prompts = selfspec::data::read_prompts(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/prompts/eval.jsonl")).unwrap();
+    assert!(prompts.len() >= 20);
+    let trees = [
+        ("chain", Tree::chain(4)),
+        ("wide", Tree::from_paths(&(0..10).map(|r| vec![r]).chain([vec![0, 0], vec![1, 0]]).collect::<Vec<_>>()).unwrap()),
+        ("deep", Tree::from_paths(&[vec![0], vec![1], vec![0, 0], vec![0, 1], vec![0, 0, 0], vec![0, 0, 1], vec![0, 0, 0, 0], vec![0, 1, 0, 0], vec![0, 1, 0]]).unwrap()),
+    ];
+    let params = SamplingParams::greedy();
+    let mut forwards = [0usize; 3];
+    let mut tokens = 0usize;
+    for (i, item) in prompts.iter().take(20).enumerate() {
+        let ids = t.encode_prompt(&item.turns[0], true).unwrap();
+        let stop = StopRule { max_new_tokens: 128, eos_ids: &t.tokenizer.eos_ids };
+        let (plain, _) = generate_plain(&t.model, &ids, &params, &stop, &mut rng(0), &mut |_| Ok(())).unwrap();
+        tokens += plain.len();
+        for (j, (name, tree)) in trees.iter().enumerate() {
+            let opts = SpecOptions { tree: TreeChoice::Static(tree.clone()), rule: Rule::Greedy, params: params.clone(), stop: StopRule { max_new_tokens: 128, eos_ids: &t.tokenizer.eos_ids } };
+            let (spec, stats) = generate_spec(&t.model, &heads, &ids, &opts, &mut rng(0), &mut |_| Ok(())).unwrap();
+            assert_eq!(spec, plain, "prompt {i} ({}), tree {name}: self-speculative output differs from plain greedy", item.turns[0]);
+            forwards[j] += stats.gen.target_forwards;
+        }
+    }
+    // Not a speed test: just that speculation really ran (fewer forwards than tokens).
+    for (j, f) in forwards.iter().enumerate() {
+        assert!(*f < tokens, "tree {j}: {f} forwards for {tokens} tokens");
+    }
+}
