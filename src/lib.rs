@@ -6,6 +6,7 @@ pub mod bench;
 pub mod data;
 pub mod distill;
 pub mod error;
+pub mod eval;
 pub mod fixtures;
 pub mod generate;
 pub mod heads;

@@ -6,6 +6,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 
 use selfspec::generate::{generate_plain, GenStats, StopRule, TextStream};
+use selfspec::eval::{choose_tree, draft_cost_ms, evaluate, rank_accuracy, to_markdown, to_svg, EvalOptions, EvalReport};
 use selfspec::heads::Heads;
 use selfspec::spec::{generate_spec, SpecOptions, SpecStats, TreeChoice};
 use selfspec::train::{describe_inputs, train, LossKind, TrainConfig};
@@ -176,6 +177,51 @@ enum Command {
         #[arg(long, default_value_t = 8192)]
         draft_vocab: usize,
     },
+    /// Acceptance length, per-head accuracy and speed-up against plain decoding, in one run.
+    Eval {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[arg(long)]
+        heads: PathBuf,
+        /// One prompt per line, JSONL with "prompt", or MT-Bench/Spec-Bench style "turns".
+        #[arg(long)]
+        prompts: PathBuf,
+        /// Trees to compare (repeatable): cpu, gpu, chain[:N], dynamic[:N], or a tree file.
+        #[arg(long, default_values_t = vec!["cpu".to_string()])]
+        tree: Vec<String>,
+        #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+        temperature: f32,
+        #[arg(long, default_value_t = 128)]
+        max_tokens: usize,
+        /// Only the first N prompts.
+        #[arg(long)]
+        limit: Option<usize>,
+        /// Write PREFIX.json, PREFIX.md and PREFIX.svg.
+        #[arg(long)]
+        out: Option<PathBuf>,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
+    /// Measure head accuracies and this device's forward costs; write the tree that maximises
+    /// expected speed-up.
+    Tune {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[arg(long)]
+        heads: PathBuf,
+        #[arg(long)]
+        prompts: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 24)]
+        max_nodes: usize,
+        /// Tokens generated per prompt to measure head accuracy.
+        #[arg(long, default_value_t = 96)]
+        max_tokens: usize,
+        /// Prompts used afterwards to measure the chosen tree against plain decoding.
+        #[arg(long, default_value_t = 6)]
+        check_prompts: usize,
+    },
     /// Time one forward over T new tokens after a context, for each T.
     Bench {
         #[command(flatten)]
@@ -201,6 +247,34 @@ fn progress(len: u64, what: &str) -> indicatif::ProgressBar {
     let bar = if std::io::stderr().is_terminal() { indicatif::ProgressBar::new(len) } else { indicatif::ProgressBar::hidden() };
     bar.set_style(indicatif::ProgressStyle::with_template(&format!("{what} {{bar:30}} {{pos}}/{{len}} {{elapsed}} eta {{eta}} {{msg}}")).unwrap());
     bar
+}
+
+fn print_eval(r: &EvalReport) {
+    println!("tau = tokens emitted per target forward, the bonus token counted (plain decoding = 1.00)");
+    println!("{:<16} {:>6} {:>6} {:>11} {:>12} {:>9} {:>10}", "tree", "nodes", "tau", "spec tok/s", "plain tok/s", "speed-up", "identical");
+    for (name, s) in r.trees.iter().zip(&r.overall) {
+        println!(
+            "{:<16} {:>6.1} {:>6.2} {:>11.1} {:>12.1} {:>8.2}x {:>10}",
+            name,
+            s.mean_tree_nodes,
+            s.tau,
+            s.spec_tok_s_median,
+            s.plain_tok_s_median,
+            s.speedup,
+            s.all_identical.map_or("n/a", |b| if b { "yes" } else { "NO" })
+        );
+    }
+    println!("per category ({}):", r.trees[0]);
+    for (c, v) in &r.per_category {
+        println!("  {:<12} turns {:>3}  tau {:.2}  speed-up {:.2}x", c, v[0].turns, v[0].tau, v[0].speedup);
+    }
+    if let Some(s) = r.overall.first() {
+        let f = |v: &[f64]| v.iter().map(|x| format!("{x:.2}")).collect::<Vec<_>>().join(" ");
+        println!("head top-1 vs the target's tokens: {}", f(&s.head_top1));
+        println!("head top-5 vs the target's tokens: {}", f(&s.head_top5));
+        println!("drafted tokens accepted per step (0, 1, 2, ...): {:?}", s.accept_hist);
+    }
+    println!("sample ({}; accepted draft tokens in [brackets]):\n{}", r.trees[0], r.sample_marked);
 }
 
 fn finish_stream(stream: &mut TextStream, stdout: &mut impl Write) -> Result<()> {
@@ -409,6 +483,76 @@ fn run(cli: Cli) -> Result<()> {
                 v.top5.iter().map(|x| format!("{x:.3}")).collect::<Vec<_>>(),
                 out.display()
             );
+        }
+        Command::Eval { model, heads, prompts, tree, temperature, max_tokens, limit, out, seed } => {
+            let params = SamplingParams { temperature, ..Default::default() };
+            params.validate()?;
+            if max_tokens == 0 {
+                bail!("--max-tokens must be at least 1");
+            }
+            let trees = tree.iter().map(|t| Ok((t.clone(), TreeChoice::parse(t)?))).collect::<Result<Vec<_>>>()?;
+            let mut items = selfspec::data::read_prompts(&prompts)?;
+            if let Some(n) = limit {
+                items.truncate(n.max(1));
+            }
+            let target = load(&model)?;
+            let h = Heads::from_dir(&heads, &target)?;
+            for (_, t) in &trees {
+                t.validate_for(&h)?;
+            }
+            let bar = progress(items.iter().map(|i| i.turns.len() as u64).sum(), "eval");
+            let mut prog = |done: usize, _total: usize| bar.set_position(done as u64);
+            let mut opts = EvalOptions { trees, params, max_tokens, seed, progress: &mut prog };
+            let mut report = evaluate(&target, &h, &items, &mut opts)?;
+            bar.finish_and_clear();
+            report.heads = heads.display().to_string();
+            print_eval(&report);
+            if let Some(prefix) = out {
+                let with = |ext: &str| PathBuf::from(format!("{}.{ext}", prefix.display()));
+                selfspec::error::write_atomic(&with("json"), serde_json::to_string_pretty(&report)?.as_bytes())?;
+                selfspec::error::write_atomic(&with("md"), to_markdown(&report).as_bytes())?;
+                selfspec::error::write_atomic(&with("svg"), to_svg(&report).as_bytes())?;
+                eprintln!("wrote {0}.json, {0}.md, {0}.svg", prefix.display());
+            }
+        }
+        Command::Tune { model, heads, prompts, out, max_nodes, max_tokens, check_prompts } => {
+            if max_nodes < 2 {
+                bail!("--max-nodes must be at least 2");
+            }
+            let items = selfspec::data::read_prompts(&prompts)?;
+            let target = load(&model)?;
+            let h = Heads::from_dir(&heads, &target)?;
+            eprintln!("measuring head accuracy on {} prompts...", items.len());
+            let acc = rank_accuracy(&target, &h, &items, max_tokens, 8)?;
+            for (k, row) in acc.iter().enumerate() {
+                let r: Vec<String> = row.iter().map(|x| format!("{x:.3}")).collect();
+                eprintln!("  head {k} rank accuracy: {}", r.join(" "));
+            }
+            eprintln!("measuring forward cost for 1..{max_nodes} tokens...");
+            let counts: Vec<usize> = (1..=max_nodes).collect();
+            let costs = selfspec::bench::bench_forward(&target.model, 256, &counts, 3)?;
+            let cost_ms: Vec<f64> = costs.iter().map(|r| r.median_ms).collect();
+            let draft_ms = draft_cost_ms(&target, &h)?;
+            let (best, points) = choose_tree(&acc, &cost_ms, draft_ms, max_nodes);
+            println!("{:>5} {:>12} {:>10} {:>17}", "nodes", "expected tau", "cost/plain", "expected speed-up");
+            for p in &points {
+                println!("{:>5} {:>12.2} {:>10.2} {:>16.2}x{}", p.nodes, p.expected_tau, p.cost_ratio, p.expected_speedup, if p.nodes == best.len() { "  <- chosen" } else { "" });
+            }
+            let doc = serde_json::json!({
+                "paths": serde_json::from_str::<serde_json::Value>(&best.to_json())?["paths"],
+                "expected": points.iter().find(|p| p.nodes == best.len()),
+                "rank_accuracy": acc,
+                "forward_ms": cost_ms,
+                "draft_ms": draft_ms,
+                "note": "tau = tokens per target forward, bonus token counted",
+            });
+            selfspec::error::write_atomic(&out, serde_json::to_string_pretty(&doc)?.as_bytes())?;
+            eprintln!("wrote {} ({} nodes); checking it on {} prompts...", out.display(), best.len(), check_prompts.min(items.len()));
+            let check: Vec<_> = items.iter().take(check_prompts.max(1)).cloned().collect();
+            let mut opts = EvalOptions { trees: vec![("tuned".into(), TreeChoice::Static(best))], params: SamplingParams::greedy(), max_tokens, seed: 1, progress: &mut |_, _| {} };
+            let report = evaluate(&target, &h, &check, &mut opts)?;
+            let s = &report.overall[0];
+            println!("measured: tau {:.2} tokens/forward (bonus counted), speed-up {:.2}x ({:.1} vs {:.1} tok/s)", s.tau, s.speedup, s.spec_tok_s_median, s.plain_tok_s_median);
         }
         Command::Bench { model, context, tokens, reps, json } => {
             if tokens.is_empty() || tokens.contains(&0) {

@@ -58,6 +58,9 @@ pub struct SpecStats {
     /// Per head: (positions checked, top-1 hits, top-5 hits) against the target's own tokens.
     pub head_acc: Vec<(usize, usize, usize)>,
     pub tree_nodes_total: usize,
+    /// Per emitted token: true when it was a drafted token the target accepted, false for the
+    /// target's own (first, correction or bonus) tokens. For showing what speculation did.
+    pub drafted: Vec<bool>,
 }
 
 impl SpecStats {
@@ -103,6 +106,7 @@ pub fn generate_spec(
 
     let first = opts.params.choose(&logits, &history, rng);
     let mut done = emit(first, &mut out, &mut history, opts, budget, on_token)?;
+    stats.drafted.push(false);
     while !done && cache.len() + 1 < max_pos {
         let committed = cache.len();
         let want = match &opts.tree {
@@ -147,7 +151,8 @@ pub fn generate_spec(
                 }
             }
         }
-        for &tok in &verdict.emitted {
+        for (i, &tok) in verdict.emitted.iter().enumerate() {
+            stats.drafted.push(i + 1 < verdict.emitted.len());
             done = emit(tok, &mut out, &mut history, opts, budget, on_token)?;
             if done {
                 break;
