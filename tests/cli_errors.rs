@@ -85,3 +85,28 @@ fn bad_arguments() {
     assert!(!out.is_empty());
     assert!(err.contains("decode") && err.contains("tok/s"), "{err}");
 }
+
+#[test]
+fn bad_heads_and_trees() {
+    let (tiny, t) = tiny_gguf("cli-heads", 3);
+    let m = tiny.to_str().unwrap();
+    let dir = scratch("cli-heads-dir");
+    // Two heads, trained briefly.
+    let cfg = selfspec::train::TrainConfig { num_heads: 2, epochs: 1, seq_len: 32, batch_tokens: 64, draft_vocab: 0, val_fraction: 0.0, ..Default::default() };
+    let docs = vec!["the cat sat on the mat and the dog ran in the sun ".repeat(8)];
+    let (h, _) = selfspec::train::train(&t, &docs, &cfg, &dir.join("ck"), false, None, &mut |_, _, _, _, _| {}, &mut |_| {}).unwrap();
+    let heads = dir.join("heads");
+    h.save(&heads).unwrap();
+    let hs = heads.to_str().unwrap();
+    expect_error(&["generate", "--model", m, "--prompt", "the", "--heads", hs, "--tree", "chain:3"], &["3 deep", "2 heads"]);
+    let bad_tree = dir.join("tree.json");
+    std::fs::write(&bad_tree, "[[0,1]]").unwrap();
+    expect_error(&["generate", "--model", m, "--prompt", "the", "--heads", hs, "--tree", bad_tree.to_str().unwrap()], &["tree.json", "prefix-closed"]);
+    expect_error(&["generate", "--model", m, "--prompt", "the", "--heads", dir.join("nothing").to_str().unwrap()], &["nothing", "not found"]);
+    let (other, _) = tiny_gguf("cli-heads-other", 4);
+    expect_error(&["generate", "--model", other.to_str().unwrap(), "--prompt", "the", "--heads", hs], &["trained for", "heads"]);
+    // And they work on the right model.
+    let (code, out, err) = run(&["generate", "--model", m, "--prompt", "the", "--heads", hs, "--tree", "chain:2", "--max-tokens", "6", "--compare"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(!out.is_empty() && err.contains("tau") && err.contains("bonus token counted") && err.contains("outputs identical"), "{err}");
+}

@@ -154,3 +154,55 @@ fn attention_kernel_matches_candle_ops() {
     let b: Vec<f32> = selfspec::model::attention_candle(&q, &k, &v, &mask, prefix, 0.25).unwrap().flatten_all().unwrap().to_vec1().unwrap();
     assert!(max_diff(&a, &b) < 1e-5);
 }
+
+#[test]
+fn sharded_safetensors_and_qwen2_bias_load() {
+    let dir = scratch("shards");
+    let cfg = fixtures::tiny_config();
+    let w = fixtures::random_weights(&cfg, 12).unwrap();
+    let one = dir.join("one");
+    fixtures::write_hf(&one, &cfg, &w).unwrap();
+    // Same weights split over two shards with an index.
+    let two = dir.join("two");
+    fixtures::write_hf(&two, &cfg, &w).unwrap();
+    std::fs::remove_file(two.join("model.safetensors")).unwrap();
+    let mut names: Vec<&String> = w.keys().collect();
+    names.sort();
+    let (a, b) = names.split_at(names.len() / 2);
+    let mut map = serde_json::Map::new();
+    for (file, part) in [("model-00001-of-00002.safetensors", a), ("model-00002-of-00002.safetensors", b)] {
+        let m: std::collections::HashMap<String, Tensor> = part.iter().map(|k| ((*k).clone(), w[*k].clone())).collect();
+        candle_core::safetensors::save(&m, two.join(file)).unwrap();
+        for k in part {
+            map.insert((*k).clone(), serde_json::json!(file));
+        }
+    }
+    std::fs::write(two.join("model.safetensors.index.json"), serde_json::json!({"weight_map": map}).to_string()).unwrap();
+    let t1 = Target::load(&one, &Device::Cpu).unwrap();
+    let t2 = Target::load(&two, &Device::Cpu).unwrap();
+    let toks = [5u32, 9, 200, 3];
+    assert_eq!(last_logits(&t1.model, &toks), last_logits(&t2.model, &toks));
+
+    // Qwen2: q/k/v biases change the output.
+    let q = dir.join("qwen");
+    let mut wq = w.clone();
+    for i in 0..cfg.num_layers {
+        for (n, size) in [("q_proj", cfg.num_heads * cfg.head_dim), ("k_proj", cfg.num_kv_heads * cfg.head_dim), ("v_proj", cfg.num_kv_heads * cfg.head_dim)] {
+            wq.insert(format!("model.layers.{i}.self_attn.{n}.bias"), Tensor::randn(0f32, 0.5, size, &Device::Cpu).unwrap());
+        }
+    }
+    fixtures::write_hf(&q, &cfg, &wq).unwrap();
+    let mut c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(q.join("config.json")).unwrap()).unwrap();
+    c["model_type"] = "qwen2".into();
+    c["architectures"] = serde_json::json!(["Qwen2ForCausalLM"]);
+    std::fs::write(q.join("config.json"), c.to_string()).unwrap();
+    let tq = Target::load(&q, &Device::Cpu).unwrap();
+    assert!(tq.model.config().attention_bias);
+    assert_ne!(last_logits(&tq.model, &toks), last_logits(&t1.model, &toks));
+    // Unsupported architectures are named.
+    c["model_type"] = "gpt_neox".into();
+    c["architectures"] = serde_json::json!(["GPTNeoXForCausalLM"]);
+    std::fs::write(q.join("config.json"), c.to_string()).unwrap();
+    let e = Target::load(&q, &Device::Cpu).err().unwrap().to_string();
+    assert!(e.contains("GPTNeoXForCausalLM") && e.contains("config.json"), "{e}");
+}
