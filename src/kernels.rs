@@ -130,12 +130,19 @@ mod avx512 {
     use std::arch::x86_64::*;
 
     #[inline(always)]
-    unsafe fn tile<const MR: usize, const NR: usize>(x: *const f32, k: usize, w: *const f32, i0: usize, j0: usize, n: usize, out: OutPtr) {
+    unsafe fn tile<const MR: usize, const NR: usize>(x: *const f32, k: usize, w: *const f32, i0: usize, j0: usize, n: usize, out: OutPtr, pf: *const f32) {
         let mut acc = [[_mm512_setzero_ps(); NR]; MR];
         let chunks = k / LANES;
         let rem = k % LANES;
         for c in 0..chunks {
             let off = c * LANES;
+            if !pf.is_null() {
+                // Pull the next weight group into cache while this one is computed, so memory
+                // traffic overlaps the arithmetic when there are several activation rows.
+                for jj in 0..NR {
+                    _mm_prefetch::<_MM_HINT_T0>(pf.add(jj * k + off) as *const i8);
+                }
+            }
             let mut wv = [_mm512_setzero_ps(); NR];
             for (jj, wv) in wv.iter_mut().enumerate() {
                 *wv = _mm512_loadu_ps(w.add((j0 + jj) * k + off));
@@ -180,16 +187,18 @@ mod avx512 {
     }
 
     #[inline(always)]
-    unsafe fn rows<const NR: usize>(x: *const f32, m: usize, k: usize, w: *const f32, j0: usize, n: usize, out: OutPtr) {
+    unsafe fn rows<const NR: usize>(x: *const f32, m: usize, k: usize, w: *const f32, j0: usize, n: usize, out: OutPtr, next: *const f32) {
         let mut i = 0;
+        let mut pf = next;
         while i + 4 <= m {
-            tile::<4, NR>(x, k, w, i, j0, n, out);
+            tile::<4, NR>(x, k, w, i, j0, n, out, pf);
+            pf = std::ptr::null();
             i += 4;
         }
         match m - i {
-            3 => tile::<3, NR>(x, k, w, i, j0, n, out),
-            2 => tile::<2, NR>(x, k, w, i, j0, n, out),
-            1 => tile::<1, NR>(x, k, w, i, j0, n, out),
+            3 => tile::<3, NR>(x, k, w, i, j0, n, out, pf),
+            2 => tile::<2, NR>(x, k, w, i, j0, n, out, pf),
+            1 => tile::<1, NR>(x, k, w, i, j0, n, out, pf),
             _ => {}
         }
     }
@@ -199,11 +208,12 @@ mod avx512 {
         let (xp, wp) = (x.as_ptr(), w.as_ptr());
         let mut j = n0;
         while j + 4 <= n1 {
-            rows::<4>(xp, m, k, wp, j, n, out);
+            let next = if j + 8 <= n1 { wp.add((j + 4) * k) } else { std::ptr::null() };
+            rows::<4>(xp, m, k, wp, j, n, out, next);
             j += 4;
         }
         while j < n1 {
-            rows::<1>(xp, m, k, wp, j, n, out);
+            rows::<1>(xp, m, k, wp, j, n, out, std::ptr::null());
             j += 1;
         }
     }
