@@ -45,21 +45,34 @@ pub fn answer(target: &Target, item: &PromptItem, params: &SamplingParams, max_t
     Ok(DistillRecord { id: item.id.clone(), messages, new_tokens: total })
 }
 
+fn ends_with_newline(path: &Path) -> Result<bool> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let len = f.metadata().map_err(|e| Error::io(path, e))?.len();
+    if len == 0 {
+        return Ok(true);
+    }
+    let mut b = [0u8; 1];
+    f.seek(SeekFrom::End(-1)).and_then(|_| f.read_exact(&mut b)).map_err(|e| Error::io(path, e))?;
+    Ok(b[0] == b'\n')
+}
+
 /// Append one record as a single line and flush, so a kill loses at most the answer in flight.
 pub fn append_record(out: &Path, rec: &DistillRecord) -> Result<()> {
     if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     }
-    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(out).map_err(|e| Error::io(out, e))?;
-    // A previous run killed mid-write may have left a torn line: start on a fresh one.
-    let len = f.metadata().map_err(|e| Error::io(out, e))?.len();
-    let mut line = serde_json::to_string(rec).expect("record serialises");
-    if len > 0 {
+    // A run killed mid-write leaves a torn last line: cut it off (that answer is redone).
+    if out.exists() && !ends_with_newline(out)? {
         let text = std::fs::read(out).map_err(|e| Error::io(out, e))?;
-        if text.last() != Some(&b'\n') {
-            line.insert(0, '\n');
+        if !text.is_empty() {
+            let keep = text.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+            let f = std::fs::OpenOptions::new().write(true).open(out).map_err(|e| Error::io(out, e))?;
+            f.set_len(keep as u64).map_err(|e| Error::io(out, e))?;
         }
     }
+    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(out).map_err(|e| Error::io(out, e))?;
+    let mut line = serde_json::to_string(rec).expect("record serialises");
     line.push('\n');
     f.write_all(line.as_bytes()).map_err(|e| Error::io(out, e))?;
     f.sync_data().map_err(|e| Error::io(out, e))

@@ -43,8 +43,10 @@ pub struct Heads {
     cfg: HeadsConfig,
     blocks: Vec<Vec<ResBlock>>,
     own: Vec<candle_nn::Linear>,
-    /// Token ids of the draft vocabulary, ascending, and their slice of the target's lm_head.
+    /// Token ids of the draft vocabulary, ascending, and their slice of the target's lm_head
+    /// (also as a packed layer for fast drafting).
     draft_vocab: Option<(Vec<u32>, Tensor)>,
+    draft_proj: Option<crate::model::Linear>,
 }
 
 pub const WEIGHTS_FILE: &str = "heads.safetensors";
@@ -82,7 +84,7 @@ impl Heads {
             }
             None => None,
         };
-        Ok(Heads { cfg: cfg.clone(), blocks, own, draft_vocab })
+        Ok(Heads { cfg: cfg.clone(), blocks, own, draft_vocab, draft_proj: None })
     }
 
     /// Restrict drafting to `ids` (ascending token ids), slicing `target_lm_head` to match.
@@ -90,6 +92,7 @@ impl Heads {
         let idx = Tensor::new(ids.as_slice(), target_lm_head.device())?;
         let w = target_lm_head.index_select(&idx, 0)?.contiguous()?;
         self.cfg.draft_vocab_size = Some(ids.len());
+        self.draft_proj = Some(crate::model::Linear::new_packed(w.clone(), None)?);
         self.draft_vocab = Some((ids, w));
         Ok(())
     }
@@ -173,8 +176,8 @@ impl Heads {
             return Ok(Tensor::cat(&rows, 0)?);
         }
         let x = Tensor::cat(&hs, 0)?.contiguous()?;
-        match &self.draft_vocab {
-            Some((_, w)) => crate::model::Linear::new(w.clone(), None).forward(&x),
+        match &self.draft_proj {
+            Some(p) => p.forward(&x),
             None => target.logits(&x),
         }
     }

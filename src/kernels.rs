@@ -278,6 +278,188 @@ pub fn matmul_xwt(x: &[f32], m: usize, k: usize, w: &[f32], n: usize) -> Vec<f32
     out
 }
 
+/// A weight matrix `[n, k]` repacked into panels of 16 output columns, each stored `[k][16]`, so
+/// the kernel streams it once and keeps 16 outputs per vector register.
+///
+/// With this layout every output `out[i][j]` is a single fused multiply-add chain over `k` in
+/// order, with no horizontal reduction, so it is batch-invariant whatever the tiling.
+pub struct PackedWeight {
+    k: usize,
+    n: usize,
+    data: Vec<f32>,
+}
+
+pub const PANEL: usize = 16;
+
+impl PackedWeight {
+    pub fn pack(w: &[f32], n: usize, k: usize) -> Self {
+        assert_eq!(w.len(), n * k, "weight has {} values, expected {n}x{k}", w.len());
+        let panels = n.div_ceil(PANEL);
+        let mut data = vec![0f32; panels * k * PANEL];
+        data.par_chunks_mut(k * PANEL).enumerate().for_each(|(p, panel)| {
+            for c in 0..PANEL {
+                let j = p * PANEL + c;
+                if j < n {
+                    for kk in 0..k {
+                        panel[kk * PANEL + c] = w[j * k + kk];
+                    }
+                }
+            }
+        });
+        PackedWeight { k, n, data }
+    }
+    pub fn rows(&self) -> usize {
+        self.n
+    }
+    pub fn cols(&self) -> usize {
+        self.k
+    }
+}
+
+/// Portable version of the packed kernel: the same chains, one output at a time.
+#[inline(always)]
+fn packed_block(x: &[f32], m: usize, pw: &PackedWeight, p0: usize, p1: usize, out: OutPtr) {
+    let (k, n) = (pw.k, pw.n);
+    for p in p0..p1 {
+        let panel = &pw.data[p * k * PANEL..(p + 1) * k * PANEL];
+        for i in 0..m {
+            let xr = &x[i * k..(i + 1) * k];
+            let mut acc = [0f32; PANEL];
+            for kk in 0..k {
+                let xv = xr[kk];
+                let wv = &panel[kk * PANEL..kk * PANEL + PANEL];
+                for c in 0..PANEL {
+                    acc[c] = xv.mul_add(wv[c], acc[c]);
+                }
+            }
+            for c in 0..PANEL {
+                let j = p * PANEL + c;
+                if j < n {
+                    unsafe { *out.0.add(i * n + j) = acc[c] };
+                }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512_packed {
+    use super::{OutPtr, PackedWeight, PANEL};
+    use std::arch::x86_64::*;
+
+    /// `MR` activation rows x `NR` panels (16 columns each).
+    #[inline(always)]
+    unsafe fn tile<const MR: usize, const NR: usize>(x: *const f32, k: usize, w: *const f32, i0: usize, p0: usize, n: usize, out: OutPtr) {
+        let mut acc = [[_mm512_setzero_ps(); NR]; MR];
+        let panel_len = k * PANEL;
+        for kk in 0..k {
+            let mut wv = [_mm512_setzero_ps(); NR];
+            for (jj, wv) in wv.iter_mut().enumerate() {
+                *wv = _mm512_loadu_ps(w.add((p0 + jj) * panel_len + kk * PANEL));
+            }
+            for (ii, row) in acc.iter_mut().enumerate() {
+                let xb = _mm512_set1_ps(*x.add((i0 + ii) * k + kk));
+                for jj in 0..NR {
+                    row[jj] = _mm512_fmadd_ps(xb, wv[jj], row[jj]);
+                }
+            }
+        }
+        for (ii, row) in acc.iter().enumerate() {
+            for (jj, a) in row.iter().enumerate() {
+                let col = (p0 + jj) * PANEL;
+                let live = n.saturating_sub(col).min(PANEL);
+                let mask: __mmask16 = if live >= PANEL { 0xffff } else { ((1u32 << live) - 1) as __mmask16 };
+                _mm512_mask_storeu_ps(out.0.add((i0 + ii) * n + col), mask, *a);
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn panels<const NR: usize>(x: *const f32, m: usize, k: usize, w: *const f32, p: usize, n: usize, out: OutPtr) {
+        let mut i = 0;
+        while i + 4 <= m {
+            tile::<4, NR>(x, k, w, i, p, n, out);
+            i += 4;
+        }
+        match m - i {
+            3 => tile::<3, NR>(x, k, w, i, p, n, out),
+            2 => tile::<2, NR>(x, k, w, i, p, n, out),
+            1 => tile::<1, NR>(x, k, w, i, p, n, out),
+            _ => {}
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn block(x: &[f32], m: usize, pw: &PackedWeight, p0: usize, p1: usize, out: OutPtr) {
+        let (xp, wp) = (x.as_ptr(), pw.data.as_ptr());
+        let (k, n) = (pw.k, pw.n);
+        let mut p = p0;
+        while p + 4 <= p1 {
+            panels::<4>(xp, m, k, wp, p, n, out);
+            p += 4;
+        }
+        while p < p1 {
+            panels::<1>(xp, m, k, wp, p, n, out);
+            p += 1;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn packed_block_avx2(x: &[f32], m: usize, pw: &PackedWeight, p0: usize, p1: usize, out: OutPtr) {
+    packed_block(x, m, pw, p0, p1, out)
+}
+
+/// `out[m][n] = sum_k x[m][k] * w[n][k]` with a packed weight; batch-invariant (one in-order FMA
+/// chain per output, the same on every instruction-set path).
+pub fn matmul_packed(x: &[f32], m: usize, pw: &PackedWeight) -> Vec<f32> {
+    assert_eq!(x.len(), m * pw.k, "x has {} values, expected {m}x{}", x.len(), pw.k);
+    let n = pw.n;
+    let mut out = vec![0f32; m * n];
+    let ptr = OutPtr(out.as_mut_ptr());
+    let panels = n.div_ceil(PANEL);
+    // Groups of 4 panels (64 columns); enough tasks to balance the cores.
+    let per_task = (panels / (rayon::current_num_threads() * 8)).clamp(4, 32) / 4 * 4;
+    let tasks = panels.div_ceil(per_task);
+    let isa = isa();
+    (0..tasks).into_par_iter().for_each(|t| {
+        let p0 = t * per_task;
+        let p1 = (p0 + per_task).min(panels);
+        let ptr = ptr;
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => unsafe { avx512_packed::block(x, m, pw, p0, p1, ptr) },
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { packed_block_avx2(x, m, pw, p0, p1, ptr) },
+            Isa::Portable => packed_block(x, m, pw, p0, p1, ptr),
+        }
+    });
+    out
+}
+
+/// candle op: `x [.., k] x packed w -> [.., n]`.
+pub struct PackedMatmul(pub std::sync::Arc<PackedWeight>);
+
+impl candle_core::CustomOp1 for PackedMatmul {
+    fn name(&self) -> &'static str {
+        "selfspec-packed-matmul"
+    }
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = contiguous(s, l, "packed-matmul x")?;
+        let k = self.0.k;
+        let xd = l.shape().dims();
+        if xd.last() != Some(&k) {
+            candle_core::bail!("packed-matmul: x {:?} does not match weight [{}, {k}]", l.shape(), self.0.n)
+        }
+        let m = x.len() / k;
+        let out = matmul_packed(x, m, &self.0);
+        let mut od = xd.to_vec();
+        *od.last_mut().unwrap() = self.0.n;
+        Ok((CpuStorage::F32(out), Shape::from(od)))
+    }
+}
+
 fn contiguous<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a [f32]> {
     let data = match s {
         CpuStorage::F32(d) => d.as_slice(),
@@ -511,6 +693,27 @@ mod tests {
                 assert!((r - full[i * n + j] as f64).abs() < 1e-4);
             }
         }
+    }
+
+    #[test]
+    fn packed_matmul_matches_and_is_batch_invariant() {
+        let (k, n) = (70, 37);
+        let w = rand_vec(n * k, 3);
+        let x = rand_vec(9 * k, 4);
+        let pw = PackedWeight::pack(&w, n, k);
+        let full = matmul_packed(&x, 9, &pw);
+        for i in 0..9 {
+            let one = matmul_packed(&x[i * k..(i + 1) * k], 1, &pw);
+            assert_eq!(one, full[i * n..(i + 1) * n].to_vec(), "row {i} differs between M=1 and M=9");
+            for j in 0..n {
+                let r: f64 = (0..k).map(|q| x[i * k + q] as f64 * w[j * k + q] as f64).sum();
+                assert!((r - full[i * n + j] as f64).abs() < 1e-4);
+            }
+        }
+        // The portable path computes the very same chains.
+        let mut port = vec![0f32; 9 * n];
+        packed_block(&x, 9, &pw, 0, n.div_ceil(PANEL), OutPtr(port.as_mut_ptr()));
+        assert_eq!(port, full);
     }
 
     #[test]

@@ -8,7 +8,7 @@ use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::{Embedding, RmsNorm, VarBuilder};
 use serde::{Deserialize, Serialize};
 
-use crate::kernels::{RowMatmul, TreeAttention, TreeMask};
+use crate::kernels::{PackedMatmul, PackedWeight, RowMatmul, TreeAttention, TreeMask};
 use crate::kv_cache::KvCache;
 use crate::{Error, Result};
 
@@ -52,21 +52,36 @@ impl Config {
     }
 }
 
-/// A linear layer that uses the batch-invariant row kernel on the CPU and candle's matmul elsewhere.
-#[derive(Debug, Clone)]
+/// A linear layer. On the CPU, calls with up to [`ROW_KERNEL_MAX_ROWS`] rows (decoding and tree
+/// verification) use the batch-invariant kernels, with the weight repacked into panels once at
+/// load; larger calls and other devices use candle's matmul.
+#[derive(Clone)]
 pub struct Linear {
     weight: Tensor,
     bias: Option<Tensor>,
+    packed: Option<Arc<PackedWeight>>,
 }
 
 impl Linear {
+    /// Without a packed copy (the row kernel still keeps CPU results batch-invariant).
     pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
-        Linear { weight, bias }
+        Linear { weight, bias, packed: None }
+    }
+    /// With a packed copy for the fast CPU kernel (costs a second copy of the weight).
+    pub fn new_packed(weight: Tensor, bias: Option<Tensor>) -> Result<Self> {
+        let packed = if weight.device().is_cpu() && weight.dtype() == DType::F32 {
+            let (n, k) = weight.dims2()?;
+            let data = weight.flatten_all()?.to_vec1::<f32>()?;
+            Some(Arc::new(PackedWeight::pack(&data, n, k)))
+        } else {
+            None
+        };
+        Ok(Linear { weight, bias, packed })
     }
     pub fn load(in_dim: usize, out_dim: usize, bias: bool, vb: VarBuilder) -> Result<Self> {
         let weight = vb.get((out_dim, in_dim), "weight")?;
         let bias = if bias { Some(vb.get(out_dim, "bias")?) } else { None };
-        Ok(Linear { weight, bias })
+        Self::new_packed(weight, bias)
     }
     pub fn weight(&self) -> &Tensor {
         &self.weight
@@ -74,7 +89,10 @@ impl Linear {
     /// `x [rows, in] -> [rows, out]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let rows = x.dim(0)?;
-        let y = if x.device().is_cpu() && rows <= ROW_KERNEL_MAX_ROWS && x.dtype() == DType::F32 {
+        let small = x.device().is_cpu() && rows <= ROW_KERNEL_MAX_ROWS && x.dtype() == DType::F32;
+        let y = if small && self.packed.is_some() {
+            x.contiguous()?.apply_op1_no_bwd(&PackedMatmul(self.packed.clone().unwrap()))?
+        } else if small {
             x.contiguous()?.apply_op2_no_bwd(&self.weight, &RowMatmul)?
         } else {
             x.matmul(&self.weight.t()?)?
@@ -176,7 +194,7 @@ impl Llama {
         }
         let norm = candle_nn::rms_norm(d, cfg.rms_norm_eps, m.pp("norm"))?;
         let lm_head = if cfg.tie_embeddings {
-            Linear::new(embed_w, None)
+            Linear::new_packed(embed_w, None)?
         } else {
             Linear::load(d, cfg.vocab_size, false, vb.pp("lm_head"))?
         };

@@ -1,0 +1,81 @@
+//! `eval` reports and self-distillation resume, on the tiny model.
+mod common;
+
+use common::*;
+use selfspec::data::{read_prompts, PromptItem};
+use selfspec::distill::{answer, append_record, done_ids};
+use selfspec::eval::{evaluate, mark_drafted, to_markdown, to_svg, EvalOptions};
+use selfspec::sampling::SamplingParams;
+use selfspec::spec::TreeChoice;
+use selfspec::tree::Tree;
+
+fn prompts() -> Vec<PromptItem> {
+    vec![
+        PromptItem { id: "1".into(), category: "a".into(), turns: vec!["the cat".into(), "and then".into()] },
+        PromptItem { id: "2".into(), category: "b".into(), turns: vec!["in the".into()] },
+    ]
+}
+
+#[test]
+fn eval_reports_tau_identity_and_files() {
+    let (_, t) = tiny_gguf("eval", 31);
+    let cfg = selfspec::train::TrainConfig { num_heads: 2, epochs: 1, seq_len: 32, batch_tokens: 64, draft_vocab: 0, val_fraction: 0.0, ..Default::default() };
+    let docs = vec!["the cat sat on the mat and the dog ran in the sun ".repeat(8)];
+    let (heads, _) = selfspec::train::train(&t, &docs, &cfg, &scratch("eval-train"), false, None, &mut |_, _, _, _, _| {}, &mut |_| {}).unwrap();
+    let mut calls = 0;
+    let mut prog = |_: usize, _: usize| calls += 1;
+    let mut opts = EvalOptions {
+        trees: vec![("chain".into(), TreeChoice::Static(Tree::chain(2))), ("dyn".into(), TreeChoice::Dynamic(5))],
+        params: SamplingParams::greedy(),
+        max_tokens: 12,
+        seed: 1,
+        progress: &mut prog,
+    };
+    let r = evaluate(&t, &heads, &prompts(), &mut opts).unwrap();
+    assert_eq!(calls, 3, "one progress tick per turn");
+    assert_eq!(r.turns.len(), 3);
+    assert_eq!(r.per_category.len(), 2);
+    for s in &r.overall {
+        assert_eq!(s.all_identical, Some(true));
+        assert!(s.tau >= 1.0 && s.speedup > 0.0);
+        assert_eq!(s.head_top1.len(), 2);
+        let steps: usize = s.accept_hist.iter().sum();
+        assert_eq!(steps, s.target_forwards);
+    }
+    assert_eq!(r.overall[0].node_accept_rate.len(), 3);
+    let md = to_markdown(&r);
+    assert!(md.contains("bonus token counted") && md.contains("| chain |"));
+    let svg = to_svg(&r);
+    assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+    // Marking: drafted runs are bracketed, the rest is plain.
+    let ids = t.tokenizer.encode("the cat sat", false).unwrap();
+    let flags: Vec<bool> = (0..ids.len()).map(|i| i % 2 == 1).collect();
+    let marked = mark_drafted(&t, &ids, &flags).unwrap();
+    assert_eq!(marked.replace(['[', ']'], ""), t.tokenizer.decode(&ids).unwrap());
+    assert!(marked.contains('['));
+}
+
+#[test]
+fn distill_appends_and_resumes() {
+    let (_, t) = tiny_gguf("distill", 32);
+    let dir = scratch("distill-out");
+    let out = dir.join("d.jsonl");
+    let items = prompts();
+    let r0 = answer(&t, &items[0], &SamplingParams::greedy(), 8, 0).unwrap();
+    assert_eq!(r0.messages.len(), 4, "two user turns and two answers");
+    append_record(&out, &r0).unwrap();
+    // A killed run can leave a torn line; it is ignored and the next record starts cleanly.
+    std::fs::OpenOptions::new().append(true).open(&out).and_then(|mut f| std::io::Write::write_all(&mut f, b"{\"id\": \"2\", \"mess")).unwrap();
+    let done = done_ids(&out).unwrap();
+    assert!(done.contains("1") && !done.contains("2"));
+    let r1 = answer(&t, &items[1], &SamplingParams::greedy(), 8, 0).unwrap();
+    append_record(&out, &r1).unwrap();
+    let done = done_ids(&out).unwrap();
+    assert!(done.contains("1") && done.contains("2"));
+    // The file is a valid corpus for training.
+    let docs = selfspec::data::read_corpus(&[out.clone()], &|m| Ok(m.iter().map(|x| x.content.clone()).collect::<Vec<_>>().join("\n"))).unwrap();
+    assert_eq!(docs.len(), 2, "the torn line was dropped, both answers kept");
+    let p = dir.join("p.txt");
+    std::fs::write(&p, "one\ntwo\n").unwrap();
+    assert_eq!(read_prompts(&p).unwrap().len(), 2);
+}
