@@ -7,7 +7,7 @@ use std::path::Path;
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 
-use crate::loader::permute_qk;
+use crate::loader::{permute_qk, GGUF_LAYER_TENSORS};
 use crate::model::Config;
 use crate::{Error, Result};
 
@@ -148,15 +148,7 @@ pub fn write_gguf(path: &Path, cfg: &Config, weights: &HashMap<String, Tensor>) 
         let b = format!("blk.{i}");
         named.push((format!("{b}.attn_q.weight"), permute_qk(&get(&format!("{p}.self_attn.q_proj.weight"))?, cfg.num_heads)?));
         named.push((format!("{b}.attn_k.weight"), permute_qk(&get(&format!("{p}.self_attn.k_proj.weight"))?, cfg.num_kv_heads)?));
-        for (g, h) in [
-            ("attn_v.weight", "self_attn.v_proj.weight"),
-            ("attn_output.weight", "self_attn.o_proj.weight"),
-            ("attn_norm.weight", "input_layernorm.weight"),
-            ("ffn_norm.weight", "post_attention_layernorm.weight"),
-            ("ffn_gate.weight", "mlp.gate_proj.weight"),
-            ("ffn_up.weight", "mlp.up_proj.weight"),
-            ("ffn_down.weight", "mlp.down_proj.weight"),
-        ] {
+        for (g, h) in GGUF_LAYER_TENSORS {
             named.push((format!("{b}.{g}"), get(&format!("{p}.{h}"))?));
         }
     }

@@ -97,6 +97,18 @@ impl std::fmt::Display for Fingerprint {
     }
 }
 
+/// Per-layer tensors whose GGUF (`blk.N.*`) and Hugging Face (`model.layers.N.*`) names differ
+/// only by name; q/k also differ by a row permutation and are handled apart.
+pub const GGUF_LAYER_TENSORS: [(&str, &str); 7] = [
+    ("attn_v.weight", "self_attn.v_proj.weight"),
+    ("attn_output.weight", "self_attn.o_proj.weight"),
+    ("attn_norm.weight", "input_layernorm.weight"),
+    ("ffn_norm.weight", "post_attention_layernorm.weight"),
+    ("ffn_gate.weight", "mlp.gate_proj.weight"),
+    ("ffn_up.weight", "mlp.up_proj.weight"),
+    ("ffn_down.weight", "mlp.down_proj.weight"),
+];
+
 fn gguf_err(path: &Path, e: candle_core::Error) -> Error {
     Error::bad_file(path, format!("not a readable GGUF file: {e}"))
 }
@@ -205,15 +217,7 @@ fn load_gguf(path: &Path, mut f: std::fs::File, device: &Device) -> Result<Targe
                 ts.insert(format!("{p}.self_attn.{h}.bias"), read(&format!("{b}.{g}.bias"))?);
             }
         }
-        for (g, h) in [
-            ("attn_v.weight", "self_attn.v_proj.weight"),
-            ("attn_output.weight", "self_attn.o_proj.weight"),
-            ("attn_norm.weight", "input_layernorm.weight"),
-            ("ffn_norm.weight", "post_attention_layernorm.weight"),
-            ("ffn_gate.weight", "mlp.gate_proj.weight"),
-            ("ffn_up.weight", "mlp.up_proj.weight"),
-            ("ffn_down.weight", "mlp.down_proj.weight"),
-        ] {
+        for (g, h) in GGUF_LAYER_TENSORS {
             ts.insert(format!("{p}.{h}"), read(&format!("{b}.{g}"))?);
         }
     }
