@@ -323,7 +323,7 @@ pub fn rank_accuracy(target: &Target, heads: &Heads, prompts: &[PromptItem], max
         let hidden = target.model.forward_causal(&seq, &mut cache)?;
         // Position t of the sequence feeds the heads; the root is seq[t+1]; head k guesses seq[t+k+2].
         for t in ids.len() - 1..seq.len().saturating_sub(2) {
-            let top = heads.draft_top_k(&hidden.narrow(0, t, 1)?, &target.model, ranks)?;
+            let top = heads.draft_top_k(&hidden.narrow(0, t, 1)?, seq[t + 1], &target.model, ranks)?;
             for k in 0..k_heads {
                 if let Some(&truth) = seq.get(t + k + 2) {
                     counts[k] += 1;
@@ -396,7 +396,7 @@ pub fn draft_cost_ms(target: &Target, heads: &Heads) -> Result<f64> {
     let mut v = Vec::new();
     for _ in 0..7 {
         let t = Instant::now();
-        let _ = heads.draft_top_k(&h, &target.model, 8)?;
+        let _ = heads.draft_top_k(&h, 0, &target.model, 8)?;
         v.push(t.elapsed().as_secs_f64() * 1e3);
     }
     let _ = h.sum(D::Minus1)?;

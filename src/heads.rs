@@ -29,6 +29,11 @@ pub struct HeadsConfig {
     /// Verification always uses the full target, so this never affects exactness.
     #[serde(default)]
     pub draft_vocab_size: Option<usize>,
+    /// Token-aware heads (Hydra-style): the first block also reads the embedding of the root
+    /// token, the one the target's lm_head just produced from the same hidden state, which plain
+    /// Medusa heads must guess blindly. Zero-initialised, so training starts from plain Medusa.
+    #[serde(default)]
+    pub token_aware: bool,
     /// How they were made (command line, data, accuracy): free-form, for the record.
     #[serde(default)]
     pub recipe: serde_json::Value,
@@ -43,6 +48,8 @@ pub struct Heads {
     cfg: HeadsConfig,
     blocks: Vec<Vec<ResBlock>>,
     own: Vec<candle_nn::Linear>,
+    /// Per head, the root-token projection of a token-aware first block.
+    token_proj: Vec<candle_nn::Linear>,
     /// Token ids of the draft vocabulary, ascending, and their slice of the target's lm_head
     /// (also as a packed layer for fast drafting).
     draft_vocab: Option<(Vec<u32>, Tensor)>,
@@ -60,6 +67,7 @@ impl Heads {
         let d = cfg.hidden_size;
         let mut blocks = Vec::with_capacity(cfg.num_heads);
         let mut own = Vec::new();
+        let mut token_proj = Vec::new();
         for k in 0..cfg.num_heads {
             let hv = vb.pp(format!("heads.{k}"));
             let mut bs = Vec::with_capacity(cfg.num_layers);
@@ -70,6 +78,10 @@ impl Heads {
                 bs.push(ResBlock { lin: candle_nn::Linear::new(w, Some(b)) });
             }
             blocks.push(bs);
+            if cfg.token_aware {
+                let u = hv.get_with_hints((d, d), "blocks.0.token_weight", candle_nn::Init::Const(0.0))?;
+                token_proj.push(candle_nn::Linear::new(u, None));
+            }
             if cfg.own_lm_head {
                 let rows = cfg.draft_vocab_size.unwrap_or(cfg.vocab_size);
                 let w = hv.get_with_hints((rows, d), "lm_head.weight", candle_nn::Init::Const(0.0))?;
@@ -84,7 +96,7 @@ impl Heads {
             }
             None => None,
         };
-        Ok(Heads { cfg: cfg.clone(), blocks, own, draft_vocab, draft_proj: None })
+        Ok(Heads { cfg: cfg.clone(), blocks, own, token_proj, draft_vocab, draft_proj: None })
     }
 
     /// Restrict drafting to `ids` (ascending token ids), slicing `target_lm_head` to match.
@@ -155,22 +167,30 @@ impl Heads {
     }
 
     /// Per head, the transformed hidden states `[rows, d]` before the vocabulary projection.
-    pub fn hidden(&self, h: &Tensor) -> Result<Vec<Tensor>> {
+    /// `root` holds the root tokens' embeddings `[rows, d]` (needed by token-aware heads).
+    pub fn hidden(&self, h: &Tensor, root: Option<&Tensor>) -> Result<Vec<Tensor>> {
         let mut out = Vec::with_capacity(self.cfg.num_heads);
-        for bs in &self.blocks {
+        for (k, bs) in self.blocks.iter().enumerate() {
             let mut x = h.clone();
-            for b in bs {
-                x = (&x + candle_nn::ops::silu(&b.lin.forward(&x)?)?)?;
+            for (l, b) in bs.iter().enumerate() {
+                let mut pre = b.lin.forward(&x)?;
+                if l == 0 && self.cfg.token_aware {
+                    let e = root.ok_or_else(|| Error::InvalidArgument("token-aware heads need the root token".into()))?;
+                    pre = (pre + self.token_proj[k].forward(e)?)?;
+                }
+                x = (&x + candle_nn::ops::silu(&pre)?)?;
             }
             out.push(x);
         }
         Ok(out)
     }
 
-    /// Draft logits `[K, draft vocab]` for one hidden state `[1, d]`: one batched projection.
-    pub fn draft_logits(&self, h: &Tensor, target: &crate::model::Llama) -> Result<Tensor> {
+    /// Draft logits `[K, draft vocab]` for one hidden state `[1, d]` whose lm_head output was
+    /// `root`: one batched projection.
+    pub fn draft_logits(&self, h: &Tensor, root: u32, target: &crate::model::Llama) -> Result<Tensor> {
         let h = if h.rank() == 1 { h.unsqueeze(0)? } else { h.clone() };
-        let hs = self.hidden(&h)?;
+        let e = if self.cfg.token_aware { Some(target.embed(&[root])?) } else { None };
+        let hs = self.hidden(&h, e.as_ref())?;
         if self.cfg.own_lm_head {
             let rows: Vec<Tensor> = hs.iter().zip(&self.own).map(|(x, l)| l.forward(x)).collect::<candle_core::Result<_>>()?;
             return Ok(Tensor::cat(&rows, 0)?);
@@ -183,17 +203,18 @@ impl Heads {
     }
 
     /// Each head's top-`k` guesses as (token id, probability within the draft vocabulary).
-    pub fn draft_top_k(&self, h: &Tensor, target: &crate::model::Llama, k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
-        let rows = top_k_rows(&self.draft_logits(h, target)?, k)?;
+    pub fn draft_top_k(&self, h: &Tensor, root: u32, target: &crate::model::Llama, k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
+        let rows = top_k_rows(&self.draft_logits(h, root, target)?, k)?;
         Ok(match &self.draft_vocab {
             Some((ids, _)) => rows.into_iter().map(|r| r.into_iter().map(|(i, p)| (ids[i as usize], p)).collect()).collect(),
             None => rows,
         })
     }
 
-    /// Training forward: `h [B, d]` -> logits `[K, B, vocab]`, differentiable in the heads only.
-    pub fn train_logits(&self, h: &Tensor, target_lm_head: &Tensor) -> Result<Tensor> {
-        let hs = self.hidden(h)?;
+    /// Training forward: `h [B, d]` (and root embeddings `[B, d]` for token-aware heads) ->
+    /// logits `[K, B, vocab]`, differentiable in the heads only.
+    pub fn train_logits(&self, h: &Tensor, root: Option<&Tensor>, target_lm_head: &Tensor) -> Result<Tensor> {
+        let hs = self.hidden(h, root)?;
         let mut outs = Vec::with_capacity(hs.len());
         for (k, x) in hs.iter().enumerate() {
             outs.push(x.matmul(&self.projection(k, target_lm_head).t()?)?);
@@ -213,6 +234,9 @@ impl Heads {
         }
         for (k, l) in self.own.iter().enumerate() {
             m.insert(format!("heads.{k}.lm_head.weight"), l.weight().clone());
+        }
+        for (k, l) in self.token_proj.iter().enumerate() {
+            m.insert(format!("heads.{k}.blocks.0.token_weight"), l.weight().clone());
         }
         if let Some((ids, w)) = &self.draft_vocab {
             // Stored as f32 (exact for ids below 2^24) so one dtype serves every tensor.
@@ -265,8 +289,10 @@ impl Heads {
     /// vLLM and TGI load. Medusa-1 heads carry their own vocabulary projection, so a shared
     /// lm_head is written out as a copy in each head.
     pub fn export_medusa(&self, dir: &Path, target: &Target) -> Result<()> {
-        if self.draft_vocab.is_some() {
-            return Err(Error::InvalidArgument("heads with a reduced draft vocabulary have no Medusa-format equivalent; train with --draft-vocab 0 to export".into()));
+        if self.draft_vocab.is_some() || self.cfg.token_aware {
+            return Err(Error::InvalidArgument(
+                "token-aware heads or heads with a reduced draft vocabulary have no Medusa-format equivalent; train with --draft-vocab 0 --no-root-token to export".into(),
+            ));
         }
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
         let mut m = HashMap::new();
@@ -334,6 +360,7 @@ impl Heads {
             own_lm_head: own,
             target: target.fingerprint()?,
             draft_vocab_size: None,
+            token_aware: false,
             recipe: serde_json::json!({"imported_from": dir.display().to_string()}),
         };
         let vb = VarBuilder::from_tensors(renamed, DType::F32, target.model.device());

@@ -176,6 +176,10 @@ enum Command {
         /// Cheaper to train and to run; verification still uses the full vocabulary.
         #[arg(long, default_value_t = 8192)]
         draft_vocab: usize,
+        /// Plain Medusa heads that do not read the root token's embedding (exportable to the
+        /// Medusa format).
+        #[arg(long)]
+        no_root_token: bool,
     },
     /// Acceptance length, per-head accuracy and speed-up against plain decoding, in one run.
     Eval {
@@ -406,7 +410,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Train {
             model, data, out, heads, layers, own_lm_head, epochs, lr, seq_len, batch_tokens, loss, decay,
-            val_fraction, warmup, checkpoint_every, seed, resume, cache_hidden, max_steps, draft_vocab,
+            val_fraction, warmup, checkpoint_every, seed, resume, cache_hidden, max_steps, draft_vocab, no_root_token,
         } => {
             let cfg = TrainConfig {
                 num_heads: heads,
@@ -426,6 +430,7 @@ fn run(cli: Cli) -> Result<()> {
                 checkpoint_every: checkpoint_every.max(1),
                 max_steps,
                 draft_vocab,
+                token_aware: !no_root_token,
             };
             cfg.validate()?;
             let target = load(&model)?;

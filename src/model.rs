@@ -261,6 +261,11 @@ impl Llama {
         Ok(self.norm.forward(&x)?)
     }
 
+    /// Token embeddings `[T, d]` (token-aware heads read the root token's).
+    pub fn embed(&self, tokens: &[u32]) -> Result<Tensor> {
+        Ok(self.embed.forward(&Tensor::new(tokens, &self.device)?)?)
+    }
+
     /// `hidden [T, d] -> logits [T, vocab]`.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         self.lm_head.forward(hidden)

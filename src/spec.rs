@@ -113,7 +113,7 @@ pub fn generate_spec(
             TreeChoice::Static(t) => t.ranks_per_depth().into_iter().max().unwrap_or(1),
             TreeChoice::Dynamic(n) => (*n).min(TOP_K_LIMIT),
         };
-        let top = heads.draft_top_k(&h_last, model, want.max(ACC_K))?;
+        let top = heads.draft_top_k(&h_last, *out.last().unwrap(), model, want.max(ACC_K))?;
         drafts.push((out.len() - 1, top.iter().map(|r| r.iter().take(ACC_K).map(|x| x.0).collect()).collect()));
         let mut tree = match &opts.tree {
             TreeChoice::Static(t) => t.clone(),

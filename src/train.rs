@@ -48,6 +48,9 @@ pub struct TrainConfig {
     /// Draft vocabulary: the N most frequent corpus tokens (0 = the full vocabulary).
     #[serde(default)]
     pub draft_vocab: usize,
+    /// Token-aware heads (see [`HeadsConfig::token_aware`]).
+    #[serde(default)]
+    pub token_aware: bool,
 }
 
 impl Default for TrainConfig {
@@ -70,6 +73,7 @@ impl Default for TrainConfig {
             checkpoint_every: 50,
             max_steps: 0,
             draft_vocab: 8192,
+            token_aware: true,
         }
     }
 }
@@ -261,6 +265,8 @@ const CKPT_META: &str = "checkpoint.json";
 /// Row indices and labels of one batch: positions `t` of chunks, with per-head targets.
 struct Batch {
     h: Tensor,
+    /// Embedding of token t+1 (the root the target emitted from h_t), for token-aware heads.
+    root: Option<Tensor>,
     /// Hard labels `[K][B]` (u32::MAX = no label), or None for soft.
     hard: Option<Vec<Vec<u32>>>,
     /// Soft label rows: per head, per row, the chunk row index of h_{t+k+1} (usize::MAX = none).
@@ -268,8 +274,16 @@ struct Batch {
     valid: Vec<Vec<bool>>,
 }
 
-fn make_batch(chunks: &[(Vec<u32>, Tensor)], ids: &[usize], k_heads: usize, loss: LossKind, slot: &dyn Fn(u32) -> Option<u32>) -> Result<Batch> {
+fn make_batch(
+    chunks: &[(Vec<u32>, Tensor)],
+    ids: &[usize],
+    k_heads: usize,
+    loss: LossKind,
+    slot: &dyn Fn(u32) -> Option<u32>,
+    embed: Option<&dyn Fn(&[u32]) -> Result<Tensor>>,
+) -> Result<Batch> {
     let mut hs = Vec::new();
+    let mut roots: Vec<u32> = Vec::new();
     let mut hard = vec![Vec::new(); k_heads];
     let mut valid = vec![Vec::new(); k_heads];
     let mut soft_idx = vec![Vec::new(); k_heads];
@@ -279,6 +293,7 @@ fn make_batch(chunks: &[(Vec<u32>, Tensor)], ids: &[usize], k_heads: usize, loss
         let n = toks.len();
         let rows = n - 2; // positions t with at least the head-0 label t+2
         hs.push(h.narrow(0, 0, rows)?);
+        roots.extend_from_slice(&toks[1..rows + 1]);
         for t in 0..rows {
             for k in 0..k_heads {
                 let label = if t + k + 2 < n { slot(toks[t + k + 2]) } else { None };
@@ -297,13 +312,17 @@ fn make_batch(chunks: &[(Vec<u32>, Tensor)], ids: &[usize], k_heads: usize, loss
     } else {
         None
     };
-    Ok(Batch { h, hard: if loss == LossKind::Hard { Some(hard) } else { None }, soft_rows, valid })
+    let root = match embed {
+        Some(f) => Some(f(&roots)?),
+        None => None,
+    };
+    Ok(Batch { h, root, hard: if loss == LossKind::Hard { Some(hard) } else { None }, soft_rows, valid })
 }
 
 fn batch_loss(heads: &Heads, lm: &Tensor, b: &Batch, decay: f64) -> Result<(Tensor, Vec<(usize, usize)>)> {
     // Soft targets and logits live in the draft vocabulary when there is one.
     let proj = heads.projection(0, lm);
-    let logits = heads.train_logits(&b.h, lm)?; // [K, B, V]
+    let logits = heads.train_logits(&b.h, b.root.as_ref(), lm)?; // [K, B, V]
     let (k_heads, rows, _) = logits.dims3()?;
     let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
     let dev = logits.device();
@@ -357,7 +376,9 @@ pub fn validate(heads: &Heads, target: &Target, chunks: &[(Vec<u32>, Tensor)]) -
     for (toks, h) in chunks {
         let n = toks.len();
         let own: Vec<u32> = h.matmul(&lm.t()?)?.argmax(D::Minus1)?.to_vec1()?; // own[t] = target's token t+1
-        let logits = heads.train_logits(&h.narrow(0, 0, n - 2)?, lm)?;
+        // Roots as at inference: the target's own token at each position.
+        let root = if heads.config().token_aware { Some(target.model.embed(&own[..n - 2])?) } else { None };
+        let logits = heads.train_logits(&h.narrow(0, 0, n - 2)?, root.as_ref(), lm)?;
         for k in 0..k_heads {
             let lk = logits.get(k)?;
             let top = crate::heads::top_k_rows(&lk, 5)?;
@@ -447,6 +468,7 @@ pub fn train(
         own_lm_head: cfg.own_lm_head,
         target: target.fingerprint()?,
         draft_vocab_size: None,
+        token_aware: cfg.token_aware,
         recipe: serde_json::Value::Null,
     };
     let mut heads = Heads::init(&varmap, &hcfg, &lm, &device)?;
@@ -490,7 +512,8 @@ pub fn train(
         let epoch = step / per_epoch;
         let batches = batches_for_epoch(epoch);
         let ids = &batches[step % per_epoch];
-        let b = make_batch(&train_set, ids, k_heads, cfg.loss, &slot)?;
+        let embed = |t: &[u32]| target.model.embed(t);
+        let b = make_batch(&train_set, ids, k_heads, cfg.loss, &slot, if cfg.token_aware { Some(&embed) } else { None })?;
         let (loss, acc) = batch_loss(&heads, &lm, &b, cfg.decay)?;
         let grads = loss.backward()?;
         let lr = learning_rate(step, total_steps, cfg.warmup_steps, cfg.lr);

@@ -78,26 +78,37 @@ fn resumed_run_matches_uninterrupted_run() {
 #[test]
 fn heads_round_trip_and_reject_other_targets() {
     let (_, t) = tiny_gguf("heads-rt", 23);
-    let cfg = TrainConfig { epochs: 1, ..quick_cfg() };
+    // Plain Medusa heads (exportable); token-aware heads are covered below.
+    let cfg = TrainConfig { epochs: 1, token_aware: false, ..quick_cfg() };
     let (h, _) = run(&t, &cfg, &scratch("heads-rt-train"), false);
     let x = Tensor::randn(0f32, 1., (1, t.model.config().hidden_size), &Device::Cpu).unwrap();
-    let want: Vec<Vec<f32>> = h.draft_logits(&x, &t.model).unwrap().to_vec2().unwrap();
+    let want: Vec<Vec<f32>> = h.draft_logits(&x, 7, &t.model).unwrap().to_vec2().unwrap();
     let dir = scratch("heads-rt-out");
     h.save(&dir).unwrap();
     let back = Heads::from_dir(&dir, &t).unwrap();
-    assert_eq!(back.draft_logits(&x, &t.model).unwrap().to_vec2::<f32>().unwrap(), want);
+    assert_eq!(back.draft_logits(&x, 7, &t.model).unwrap().to_vec2::<f32>().unwrap(), want);
     // Medusa format round trip.
     let mdir = scratch("heads-rt-medusa");
     h.export_medusa(&mdir, &t).unwrap();
     assert!(mdir.join("medusa_lm_head.safetensors").exists() && mdir.join("config.json").exists());
     let imported = Heads::import_medusa(&mdir, &t).unwrap();
     assert!(!imported.config().own_lm_head, "a copied lm_head is recognised as shared");
-    assert_eq!(imported.draft_logits(&x, &t.model).unwrap().to_vec2::<f32>().unwrap(), want);
+    assert_eq!(imported.draft_logits(&x, 7, &t.model).unwrap().to_vec2::<f32>().unwrap(), want);
     assert_eq!(Heads::from_dir(&mdir, &t).unwrap().num_heads(), h.num_heads());
     // Another target (different weights) is refused, naming both.
     let (_, other) = tiny_gguf("heads-rt-other", 99);
     let e = Heads::from_dir(&dir, &other).err().expect("must refuse").to_string();
     assert!(e.contains("trained for") && e.contains("hash"), "{e}");
+    // Token-aware heads round-trip too, depend on the root token, and refuse Medusa export.
+    let (ta, _) = run(&t, &TrainConfig { epochs: 1, ..quick_cfg() }, &scratch("heads-rt-ta"), false);
+    assert!(ta.config().token_aware);
+    let tdir = scratch("heads-rt-ta-out");
+    ta.save(&tdir).unwrap();
+    let ta2 = Heads::from_dir(&tdir, &t).unwrap();
+    let a: Vec<Vec<f32>> = ta2.draft_logits(&x, 7, &t.model).unwrap().to_vec2().unwrap();
+    assert_eq!(a, ta.draft_logits(&x, 7, &t.model).unwrap().to_vec2::<f32>().unwrap());
+    assert_ne!(a, ta2.draft_logits(&x, 8, &t.model).unwrap().to_vec2::<f32>().unwrap(), "the root token must matter");
+    assert!(ta.export_medusa(&scratch("heads-rt-ta-medusa"), &t).is_err());
     // Missing files.
     let empty = scratch("heads-rt-empty");
     assert!(Heads::from_dir(&empty, &t).err().unwrap().to_string().contains("heads.json"));
@@ -111,7 +122,7 @@ fn draft_vocabulary_restricts_drafts() {
     let vocab = h.draft_vocab().unwrap().to_vec();
     assert!(vocab.len() <= 20 && vocab.windows(2).all(|w| w[0] < w[1]));
     let x = Tensor::randn(0f32, 1., (1, t.model.config().hidden_size), &Device::Cpu).unwrap();
-    for row in h.draft_top_k(&x, &t.model, 5).unwrap() {
+    for row in h.draft_top_k(&x, 7, &t.model, 5).unwrap() {
         assert!(row.iter().all(|(id, _)| vocab.contains(id)));
     }
     let dir = scratch("heads-dv-out");

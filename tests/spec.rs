@@ -35,6 +35,7 @@ fn tiny16() -> (Llama, Heads) {
         own_lm_head: false,
         target: Fingerprint { architecture: "llama".into(), hidden_size: 32, vocab_size: 16, hash: "test".into() },
         draft_vocab_size: None,
+        token_aware: false,
         recipe: serde_json::Value::Null,
     };
     let mut hw = HashMap::new();
