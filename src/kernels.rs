@@ -608,7 +608,9 @@ impl CustomOp3 for TreeAttention {
                 let args = AttendRow { qv, k, v, keys, hkv, kvh, d, scale };
                 match isa {
                     #[cfg(target_arch = "x86_64")]
-                    Isa::Avx512 | Isa::Avx2 => unsafe { attend_row_fma(&args, scores, o) },
+                    Isa::Avx512 => unsafe { attend_row_avx512(&args, scores, o) },
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx2 => unsafe { attend_row_fma(&args, scores, o) },
                     _ => attend_row(&args, scores, o),
                 }
             },
@@ -662,6 +664,13 @@ fn attend_row(a: &AttendRow, scores: &mut Vec<f32>, o: &mut [f32]) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn attend_row_fma(a: &AttendRow, scores: &mut Vec<f32>, o: &mut [f32]) {
+    attend_row(a, scores, o)
+}
+
+/// And with AVX-512 (again identical results: same operations, wider registers).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn attend_row_avx512(a: &AttendRow, scores: &mut Vec<f32>, o: &mut [f32]) {
     attend_row(a, scores, o)
 }
 
