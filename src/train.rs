@@ -376,8 +376,9 @@ pub fn validate(heads: &Heads, target: &Target, chunks: &[(Vec<u32>, Tensor)]) -
     for (toks, h) in chunks {
         let n = toks.len();
         let own: Vec<u32> = h.matmul(&lm.t()?)?.argmax(D::Minus1)?.to_vec1()?; // own[t] = target's token t+1
-        // Roots as at inference: the target's own token at each position.
-        let root = if heads.config().token_aware { Some(target.model.embed(&own[..n - 2])?) } else { None };
+        // The root at position t is the corpus token t+1: the target's "own" token at t+k+1 is
+        // predicted from the corpus prefix, which contains that token.
+        let root = if heads.config().token_aware { Some(target.model.embed(&toks[1..n - 1])?) } else { None };
         let logits = heads.train_logits(&h.narrow(0, 0, n - 2)?, root.as_ref(), lm)?;
         for k in 0..k_heads {
             let lk = logits.get(k)?;
