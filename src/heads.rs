@@ -248,9 +248,23 @@ impl Heads {
 
     /// Write `heads.safetensors` and `heads.json` into `dir`, each atomically.
     pub fn save(&self, dir: &Path) -> Result<()> {
+        self.save_as(dir, false)
+    }
+
+    /// As [`Heads::save`]; with `half`, weights are stored as f16 (half the size; they load back
+    /// as f32). Token ids stay exact.
+    pub fn save_as(&self, dir: &Path, half: bool) -> Result<()> {
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
         let tmp = dir.join(format!("{WEIGHTS_FILE}.tmp"));
-        candle_core::safetensors::save(&self.tensors(), &tmp)?;
+        let mut ts = self.tensors();
+        if half {
+            for (name, t) in ts.iter_mut() {
+                if name != "draft_vocab" {
+                    *t = t.to_dtype(DType::F16)?;
+                }
+            }
+        }
+        candle_core::safetensors::save(&ts, &tmp)?;
         std::fs::rename(&tmp, dir.join(WEIGHTS_FILE)).map_err(|e| Error::io(dir.join(WEIGHTS_FILE), e))?;
         let json = serde_json::to_string_pretty(&self.cfg).expect("config serialises");
         crate::error::write_atomic(&dir.join(CONFIG_FILE), json.as_bytes())

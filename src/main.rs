@@ -226,6 +226,17 @@ enum Command {
         #[arg(long, default_value_t = 6)]
         check_prompts: usize,
     },
+    /// Re-save heads: in the FasterDecoding/Medusa format (vLLM, TGI), or as f16 or f32 selfspec heads.
+    ExportHeads {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[arg(long)]
+        heads: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value = "medusa", value_parser = ["medusa", "f16", "f32"])]
+        format: String,
+    },
     /// Time one forward over T new tokens after a context, for each T.
     Bench {
         #[command(flatten)]
@@ -558,6 +569,15 @@ fn run(cli: Cli) -> Result<()> {
             let report = evaluate(&target, &h, &check, &mut opts)?;
             let s = &report.overall[0];
             println!("measured: tau {:.2} tokens/forward (bonus counted), speed-up {:.2}x ({:.1} vs {:.1} tok/s)", s.tau, s.speedup, s.spec_tok_s_median, s.plain_tok_s_median);
+        }
+        Command::ExportHeads { model, heads, out, format } => {
+            let target = load(&model)?;
+            let h = Heads::from_dir(&heads, &target)?;
+            match format.as_str() {
+                "medusa" => h.export_medusa(&out, &target)?,
+                f => h.save_as(&out, f == "f16")?,
+            }
+            eprintln!("wrote {} heads ({format}) to {}", h.num_heads(), out.display());
         }
         Command::Bench { model, context, tokens, reps, json } => {
             if tokens.is_empty() || tokens.contains(&0) {

@@ -128,6 +128,16 @@ fn draft_vocabulary_restricts_drafts() {
     let dir = scratch("heads-dv-out");
     h.save(&dir).unwrap();
     assert_eq!(Heads::from_dir(&dir, &t).unwrap().draft_vocab().unwrap(), vocab.as_slice());
+    // The compact f16 copy keeps token ids exact and logits close.
+    let half = scratch("heads-dv-f16");
+    h.save_as(&half, true).unwrap();
+    let hh = Heads::from_dir(&half, &t).unwrap();
+    assert_eq!(hh.draft_vocab().unwrap(), vocab.as_slice());
+    let a: Vec<f32> = h.draft_logits(&x, 7, &t.model).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    let b: Vec<f32> = hh.draft_logits(&x, 7, &t.model).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    let d = a.iter().zip(&b).map(|(p, q)| (p - q).abs()).fold(0.0f32, f32::max);
+    assert!(d < 2e-2, "f16 heads drift by {d}");
+    assert!(std::fs::metadata(half.join("heads.safetensors")).unwrap().len() < std::fs::metadata(dir.join("heads.safetensors")).unwrap().len());
 }
 
 #[test]
