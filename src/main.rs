@@ -79,7 +79,7 @@ struct SpecArgs {
     /// self-speculative decoding.
     #[arg(long)]
     heads: Option<PathBuf>,
-    /// cpu (12 nodes), gpu (~64), chain, chain:N, dynamic, dynamic:N, or a tree JSON file.
+    /// cpu (8 nodes), gpu (64), chain, chain:N, dynamic, dynamic:N, or a tree JSON file.
     #[arg(long, default_value = "cpu")]
     tree: String,
     /// Medusa's typical acceptance. LOSSY: the output no longer follows the target's distribution.

@@ -23,7 +23,7 @@ impl TreeChoice {
     /// `cpu`, `gpu`, `chain`, `chain:N`, `dynamic`, `dynamic:N`, or a tree file.
     pub fn parse(spec: &str) -> Result<Self> {
         if spec == "dynamic" {
-            return Ok(TreeChoice::Dynamic(12));
+            return Ok(TreeChoice::Dynamic(8));
         }
         if let Some(n) = spec.strip_prefix("dynamic:") {
             let n: usize = n.parse().map_err(|_| Error::InvalidTree(format!("bad node count in '{spec}'")))?;
