@@ -238,6 +238,42 @@ mod tests {
     use super::*;
 
     #[test]
+    fn llama_sentencepiece_from_gguf_metadata() {
+        use candle_core::quantized::gguf_file::Value as V;
+        let mut tokens: Vec<String> = vec!["<unk>".into(), "<s>".into(), "</s>".into()];
+        let mut types = vec![2, 3, 3];
+        for b in 0..256u32 {
+            tokens.push(format!("<0x{b:02X}>"));
+            types.push(6);
+        }
+        for w in ["\u{2581}the", "\u{2581}cat", "\u{2581}sat", "\u{2581}", "t", "h", "e", "c", "a", "s"] {
+            tokens.push(w.to_string());
+            types.push(1);
+        }
+        let scores: Vec<V> = tokens.iter().enumerate().map(|(i, t)| V::F32(if t.chars().count() > 2 { -1.0 } else { -10.0 - i as f32 * 0.01 })).collect();
+        let md: std::collections::HashMap<String, V> = [
+            ("tokenizer.ggml.model", V::String("llama".into())),
+            ("tokenizer.ggml.tokens", V::Array(tokens.iter().map(|t| V::String(t.clone())).collect())),
+            ("tokenizer.ggml.scores", V::Array(scores)),
+            ("tokenizer.ggml.token_type", V::Array(types.iter().map(|&t| V::I32(t)).collect())),
+            ("tokenizer.ggml.bos_token_id", V::U32(1)),
+            ("tokenizer.ggml.eos_token_id", V::U32(2)),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        let t = Tokenizer::from_gguf(std::path::Path::new("spm.gguf"), &md).unwrap();
+        let ids = t.encode("the cat sat", true).unwrap();
+        assert_eq!(ids[0], 1, "llama tokenizers add BOS");
+        assert_eq!(ids.len(), 4, "{ids:?}: whole-word pieces win on score");
+        assert_eq!(t.decode(&ids).unwrap(), "the cat sat");
+        // Characters outside the vocabulary fall back to bytes and decode back.
+        let ids = t.encode("the \u{e9}", false).unwrap();
+        assert_eq!(t.decode(&ids).unwrap(), "the \u{e9}");
+        assert!(t.is_eos(2));
+    }
+
+    #[test]
     fn chatml_template_renders() {
         let src = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content.strip() }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
         let t = ChatTemplate::new(src.into()).unwrap();
