@@ -138,19 +138,33 @@ pub fn chunk_documents(target: &Target, docs: &[String], seq_len: usize, min_len
     Ok(chunks)
 }
 
-/// The frozen backbone's final hidden states for one chunk, from the disk cache when present.
-pub fn hidden_states(target: &Target, chunk: &[u32], cache_dir: Option<&Path>) -> Result<Tensor> {
-    let file = cache_dir.map(|d| {
+/// Where hidden states are cached on disk, keyed by the target's fingerprint (computed once,
+/// not per chunk: it hashes the whole tokenizer).
+pub struct HiddenCache {
+    dir: std::path::PathBuf,
+    target_key: String,
+}
+
+impl HiddenCache {
+    pub fn new(dir: &Path, target: &Target) -> Result<Self> {
+        Ok(HiddenCache { dir: dir.to_path_buf(), target_key: target.fingerprint()?.hash })
+    }
+
+    fn file_for(&self, chunk: &[u32]) -> std::path::PathBuf {
         use sha2::Digest;
         let mut h = sha2::Sha256::new();
         for t in chunk {
             h.update(t.to_le_bytes());
         }
-        let fp = target.fingerprint().map(|f| f.hash).unwrap_or_default();
-        h.update(fp.as_bytes());
+        h.update(self.target_key.as_bytes());
         let name: String = h.finalize().iter().take(12).map(|b| format!("{b:02x}")).collect();
-        d.join(format!("{name}.safetensors"))
-    });
+        self.dir.join(format!("{name}.safetensors"))
+    }
+}
+
+/// The frozen backbone's final hidden states for one chunk, from the disk cache when present.
+pub fn hidden_states(target: &Target, chunk: &[u32], cache: Option<&HiddenCache>) -> Result<Tensor> {
+    let file = cache.map(|c| c.file_for(chunk));
     if let Some(f) = &file {
         if f.exists() {
             if let Ok(m) = candle_core::safetensors::load(f, target.model.device()) {
@@ -424,8 +438,9 @@ pub fn train(
     let n_val = ((chunks.len() as f64 * cfg.val_fraction).round() as usize).min(chunks.len().saturating_sub(1));
     let (val_ids, train_ids) = order.split_at(n_val);
     let t_hidden = Instant::now();
+    let cache = cache_hidden.map(|d| HiddenCache::new(d, target)).transpose()?;
     let with_h = |ids: &[usize]| -> Result<Vec<(Vec<u32>, Tensor)>> {
-        ids.iter().map(|&i| Ok((chunks[i].clone(), hidden_states(target, &chunks[i], cache_hidden)?))).collect()
+        ids.iter().map(|&i| Ok((chunks[i].clone(), hidden_states(target, &chunks[i], cache.as_ref())?))).collect()
     };
     let train_set = with_h(train_ids)?;
     let val_set = with_h(val_ids)?;

@@ -47,6 +47,12 @@ fn loss_decreases_and_backbone_is_frozen() {
     let toks = t.tokenizer.encode("the cat sat on the mat", false).unwrap();
     let h = selfspec::train::hidden_states(&t, &toks, None).unwrap();
     assert!(!h.track_op(), "backbone hidden states must carry no gradient graph");
+    // The on-disk cache returns exactly what was computed.
+    let cache = selfspec::train::HiddenCache::new(&scratch("hidden-cache"), &t).unwrap();
+    let a: Vec<f32> = selfspec::train::hidden_states(&t, &toks, Some(&cache)).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    let b: Vec<f32> = selfspec::train::hidden_states(&t, &toks, Some(&cache)).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    assert_eq!(a, b);
+    assert_eq!(a, h.flatten_all().unwrap().to_vec1::<f32>().unwrap());
     for loss in [LossKind::Hard, LossKind::Soft] {
         let dir = scratch(&format!("train-loss-{loss:?}"));
         let cfg = TrainConfig { loss, ..quick_cfg() };
