@@ -5,6 +5,10 @@ use std::time::Instant;
 use crate::model::Llama;
 use crate::Result;
 
+/// Sustained DRAM read bandwidth of the development machine (2 threads), for the floor that
+/// `bench` prints: a memory-bound forward cannot beat weight bytes / bandwidth.
+pub const DRAM_BYTES_PER_S: f64 = 26e9;
+
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct BenchRow {
     pub tokens: usize,

@@ -113,6 +113,12 @@ pub fn random_weights(cfg: &Config, seed: u64) -> Result<HashMap<String, Tensor>
 
 /// Write `weights` as a llama-architecture GGUF (f32 tensors) with the tiny tokenizer.
 pub fn write_gguf(path: &Path, cfg: &Config, weights: &HashMap<String, Tensor>) -> Result<()> {
+    write_gguf_as(path, cfg, weights, GgmlDType::F32)
+}
+
+/// [`write_gguf`] with the matrices (projections, embeddings, output) stored as `dtype`, e.g.
+/// Q4_1 like the SmolLM2 GGUF; norms stay f32 as llama.cpp's converter keeps them.
+pub fn write_gguf_as(path: &Path, cfg: &Config, weights: &HashMap<String, Tensor>, dtype: GgmlDType) -> Result<()> {
     use gguf_file::Value as V;
     let (tokens, merges, types) = tiny_vocab();
     let strs = |v: &[String]| V::Array(v.iter().map(|s| V::String(s.clone())).collect());
@@ -154,7 +160,10 @@ pub fn write_gguf(path: &Path, cfg: &Config, weights: &HashMap<String, Tensor>) 
     }
     let qs: Vec<(String, QTensor)> = named
         .into_iter()
-        .map(|(n, t)| Ok((n, QTensor::quantize(&t, GgmlDType::F32)?)))
+        .map(|(n, t)| {
+            let ty = if t.rank() == 2 { dtype } else { GgmlDType::F32 };
+            Ok((n, QTensor::quantize(&t, ty)?))
+        })
         .collect::<Result<_>>()?;
     let mdr: Vec<(&str, &V)> = md.iter().map(|(k, v)| (*k, v)).collect();
     let qr: Vec<(&str, &QTensor)> = qs.iter().map(|(k, v)| (k.as_str(), v)).collect();

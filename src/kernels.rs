@@ -86,7 +86,7 @@ fn dot4_fixed(x: &[f32], w0: &[f32], w1: &[f32], w2: &[f32], w3: &[f32]) -> [f32
 
 /// Output pointer shared across rayon tasks that write disjoint columns.
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
+pub(crate) struct OutPtr(pub(crate) *mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
@@ -226,7 +226,7 @@ unsafe fn matmul_block_avx2(x: &[f32], m: usize, k: usize, w: &[f32], n0: usize,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Isa {
+pub(crate) enum Isa {
     #[cfg(target_arch = "x86_64")]
     Avx512,
     #[cfg(target_arch = "x86_64")]
@@ -234,7 +234,7 @@ enum Isa {
     Portable,
 }
 
-fn isa() -> Isa {
+pub(crate) fn isa() -> Isa {
     static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
     *ISA.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]

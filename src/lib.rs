@@ -14,6 +14,7 @@ pub mod kernels;
 pub mod kv_cache;
 pub mod loader;
 pub mod model;
+pub mod quant;
 pub mod sampling;
 pub mod spec;
 pub mod tokenizer;

@@ -8,7 +8,10 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use sha2::{Digest, Sha256};
 
-use crate::model::{Config, Llama};
+use candle_core::quantized::GgmlDType;
+
+use crate::model::{Config, Llama, NativeWeight, NativeWeights};
+use crate::quant::{QuantKind, QuantRows, WeightFormat};
 use crate::tokenizer::{ChatTemplate, Tokenizer};
 use crate::{Error, Result};
 
@@ -18,6 +21,8 @@ pub struct Target {
     pub tokenizer: Tokenizer,
     pub chat_template: Option<ChatTemplate>,
     pub path: PathBuf,
+    /// What `--weights native` keeps per tensor (empty for Hugging Face models: f32).
+    pub native: NativeWeights,
 }
 
 impl Target {
@@ -38,6 +43,21 @@ impl Target {
             return load_hf(dir, device);
         }
         Err(Error::bad_file(path, "neither a GGUF file (no GGUF magic) nor a Hugging Face model directory"))
+    }
+
+    /// Load and switch the CPU fast path to `weights` (see [`WeightFormat`]).
+    pub fn load_with(path: &Path, device: &Device, weights: WeightFormat) -> Result<Self> {
+        let mut t = Self::load(path, device)?;
+        t.set_weights(weights)?;
+        Ok(t)
+    }
+
+    /// Switch the CPU fast path's weight format (GPUs keep candle's f32 kernels).
+    pub fn set_weights(&mut self, weights: WeightFormat) -> Result<()> {
+        let native = std::mem::take(&mut self.native);
+        let r = self.model.set_weights(weights, &native).map_err(|e| Error::bad_file(&self.path, e.to_string()));
+        self.native = native;
+        r
     }
 
     /// Render a single user prompt through the chat template, or fail if the model has none.
@@ -121,6 +141,20 @@ fn unpermute_qk(w: &Tensor, heads: usize) -> Result<Tensor> {
     Ok(w.reshape((heads, hd / 2, 2, inp))?.transpose(1, 2)?.reshape((out, inp))?.contiguous()?)
 }
 
+/// The row order [`unpermute_qk`] produces: output row `i` is input row `perm[i]`.
+fn unpermute_rows(heads: usize, head_dim: usize) -> Vec<usize> {
+    let half = head_dim / 2;
+    let mut perm = Vec::with_capacity(heads * head_dim);
+    for h in 0..heads {
+        for a in 0..2 {
+            for b in 0..half {
+                perm.push(h * head_dim + b * 2 + a);
+            }
+        }
+    }
+    perm
+}
+
 /// The inverse of [`unpermute_qk`], for writing GGUF files in llama.cpp's layout.
 pub fn permute_qk(w: &Tensor, heads: usize) -> Result<Tensor> {
     let (out, inp) = w.dims2()?;
@@ -189,36 +223,66 @@ fn load_gguf(path: &Path, mut f: std::fs::File, device: &Device) -> Result<Targe
     };
     cfg.validate().map_err(|m| Error::bad_file(path, m))?;
     let mut ts: HashMap<String, Tensor> = HashMap::new();
+    let mut native = NativeWeights::new();
     let cpu = Device::Cpu;
-    let mut read = |name: &str| -> Result<Tensor> {
+    // Reads a tensor dequantised to f32, and records under `hf_name` how `--weights native`
+    // keeps it (its own blocks, with rows reordered by `perm` for q/k).
+    let mut read_as = |name: &str, hf_name: &str, perm: Option<&[usize]>| -> Result<Tensor> {
         let q = ct.tensor(&mut r, name, &cpu).map_err(|e| Error::bad_file(path, format!("tensor {name}: {e}")))?;
+        let kind = match q.dtype() {
+            GgmlDType::Q8_0 => Some(QuantKind::Q8_0),
+            GgmlDType::Q4_0 => Some(QuantKind::Q4_0),
+            GgmlDType::Q4_1 => Some(QuantKind::Q4_1),
+            _ => None,
+        };
+        let dims = q.shape().dims().to_vec();
+        let entry = match (kind, dims.as_slice()) {
+            (Some(kind), &[n, k]) if k % crate::quant::QK == 0 => {
+                let rows = QuantRows::new(kind, n, k, q.data()?.into_owned()).map_err(|e| Error::bad_file(path, format!("tensor {name}: {e}")))?;
+                Some(NativeWeight::Blocks(match perm {
+                    Some(p) => rows.permute_rows(p),
+                    None => rows,
+                }))
+            }
+            _ if q.dtype() == GgmlDType::F32 => None,
+            _ if q.dtype() == GgmlDType::F16 => Some(NativeWeight::F16),
+            _ => Some(NativeWeight::Requantize),
+        };
+        if let Some(e) = entry {
+            native.insert(hf_name.to_string(), e);
+        }
         Ok(q.dequantize(&cpu)?)
     };
+
     // Only llama-arch GGUFs are permuted by the converter; qwen2 keeps the NeoX layout.
     let permuted = arch != "qwen2";
-    ts.insert("model.embed_tokens.weight".into(), read("token_embd.weight")?);
-    ts.insert("model.norm.weight".into(), read("output_norm.weight")?);
+    ts.insert("model.embed_tokens.weight".into(), read_as("token_embd.weight", "model.embed_tokens.weight", None)?);
+    ts.insert("model.norm.weight".into(), read_as("output_norm.weight", "model.norm.weight", None)?);
     if !tie {
-        ts.insert("lm_head.weight".into(), read("output.weight")?);
+        ts.insert("lm_head.weight".into(), read_as("output.weight", "lm_head.weight", None)?);
     }
     for i in 0..layers {
         let p = format!("model.layers.{i}");
         let b = format!("blk.{i}");
-        let mut q = read(&format!("{b}.attn_q.weight"))?;
-        let mut k = read(&format!("{b}.attn_k.weight"))?;
+        let (qn, kn) = (format!("{p}.self_attn.q_proj.weight"), format!("{p}.self_attn.k_proj.weight"));
+        let (qp, kp) = (unpermute_rows(heads, head_dim), unpermute_rows(kv_heads, head_dim));
+        let mut q = read_as(&format!("{b}.attn_q.weight"), &qn, permuted.then_some(&qp[..]))?;
+        let mut k = read_as(&format!("{b}.attn_k.weight"), &kn, permuted.then_some(&kp[..]))?;
         if permuted {
             q = unpermute_qk(&q, heads)?;
             k = unpermute_qk(&k, kv_heads)?;
         }
-        ts.insert(format!("{p}.self_attn.q_proj.weight"), q);
-        ts.insert(format!("{p}.self_attn.k_proj.weight"), k);
+        ts.insert(qn, q);
+        ts.insert(kn, k);
         if cfg.attention_bias {
             for (g, h) in [("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj")] {
-                ts.insert(format!("{p}.self_attn.{h}.bias"), read(&format!("{b}.{g}.bias"))?);
+                let hn = format!("{p}.self_attn.{h}.bias");
+                ts.insert(hn.clone(), read_as(&format!("{b}.{g}.bias"), &hn, None)?);
             }
         }
         for (g, h) in GGUF_LAYER_TENSORS {
-            ts.insert(format!("{p}.{h}"), read(&format!("{b}.{g}"))?);
+            let hn = format!("{p}.{h}");
+            ts.insert(hn.clone(), read_as(&format!("{b}.{g}"), &hn, None)?);
         }
     }
     let chat_template = md
@@ -229,7 +293,7 @@ fn load_gguf(path: &Path, mut f: std::fs::File, device: &Device) -> Result<Targe
         .map_err(|e| Error::bad_file(path, e.to_string()))?;
     let vb = VarBuilder::from_tensors(ts, DType::F32, device);
     let model = Llama::load(vb, &cfg).map_err(|e| Error::bad_file(path, e.to_string()))?;
-    Ok(Target { model, tokenizer, chat_template, path: path.to_path_buf() })
+    Ok(Target { model, tokenizer, chat_template, path: path.to_path_buf(), native })
 }
 
 fn read_json(path: &Path) -> Result<serde_json::Value> {
@@ -357,7 +421,7 @@ fn load_hf(dir: &Path, device: &Device) -> Result<Target> {
     };
     let vb = VarBuilder::from_tensors(ts, DType::F32, device);
     let model = Llama::load(vb, &cfg).map_err(|e| Error::bad_file(dir, e.to_string()))?;
-    Ok(Target { model, tokenizer, chat_template, path: dir.to_path_buf() })
+    Ok(Target { model, tokenizer, chat_template, path: dir.to_path_buf(), native: NativeWeights::new() })
 }
 
 /// Parse `--device cpu|cuda[:N]|metal`.

@@ -12,6 +12,7 @@ use selfspec::spec::{generate_spec, SpecOptions, SpecStats, TreeChoice};
 use selfspec::train::{describe_inputs, train, LossKind, TrainConfig};
 use selfspec::verify::Rule;
 use selfspec::loader::{parse_device, Target};
+use selfspec::quant::WeightFormat;
 use selfspec::sampling::{rng, SamplingParams};
 
 // Training allocates and frees tensors of hundreds of MB each step; mimalloc reuses that memory
@@ -34,6 +35,10 @@ struct ModelArgs {
     /// cpu, cuda, cuda:N or metal.
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// CPU weight format: f32 (dequantised reference), f16, q8_0, or native (the GGUF's own
+    /// Q8_0/Q4_0/Q4_1 blocks, int8 arithmetic). GPUs always use f32. [default: f32; bench: all]
+    #[arg(long)]
+    weights: Option<WeightFormat>,
 }
 
 #[derive(Args, Clone)]
@@ -254,7 +259,11 @@ enum Command {
 
 fn load(m: &ModelArgs) -> Result<Target> {
     let device = parse_device(&m.device)?;
-    Ok(Target::load(&m.model, &device)?)
+    let weights = m.weights.unwrap_or(WeightFormat::F32);
+    if weights != WeightFormat::F32 && !device.is_cpu() {
+        bail!("--weights {weights} is a CPU format; on {} the model runs candle's f32 kernels", m.device);
+    }
+    Ok(Target::load_with(&m.model, &device, weights)?)
 }
 
 /// A progress bar on stderr, hidden when stderr is not a terminal.
@@ -583,16 +592,33 @@ fn run(cli: Cli) -> Result<()> {
             if tokens.is_empty() || tokens.contains(&0) {
                 bail!("--tokens needs positive counts");
             }
-            let target = load(&model)?;
-            let rows = selfspec::bench::bench_forward(&target.model, context, &tokens, reps.max(1)).context("benchmark failed")?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&rows)?);
-            } else {
-                println!("forward cost over a {context}-token context ({})", model.device);
-                println!("{:>6} {:>10} {:>8}", "tokens", "median ms", "ratio");
-                for r in rows {
-                    println!("{:>6} {:>10.2} {:>8.2}", r.tokens, r.median_ms, r.ratio);
+            let mut target = load(&ModelArgs { weights: Some(WeightFormat::F32), ..model.clone() })?;
+            let formats: Vec<WeightFormat> = match model.weights {
+                Some(w) => vec![w],
+                None if target.model.device().is_cpu() => WeightFormat::ALL.to_vec(),
+                None => vec![WeightFormat::F32],
+            };
+            let mut all = Vec::new();
+            for f in formats {
+                target.set_weights(f)?;
+                let rows = selfspec::bench::bench_forward(&target.model, context, &tokens, reps.max(1)).context("benchmark failed")?;
+                let bytes = target.model.weight_bytes_per_forward();
+                all.push(serde_json::json!({"weights": f.name(), "weight_bytes": bytes, "rows": rows}));
+                if !json {
+                    let floor = bytes as f64 / selfspec::bench::DRAM_BYTES_PER_S * 1e3;
+                    println!(
+                        "weights {f}: {:.0} MB read per forward (floor at 26 GB/s: {floor:.1} ms); {context}-token context, {}",
+                        bytes as f64 / 1e6,
+                        model.device
+                    );
+                    println!("{:>6} {:>10} {:>8}", "tokens", "median ms", "ratio");
+                    for r in &rows {
+                        println!("{:>6} {:>10.2} {:>8.2}", r.tokens, r.median_ms, r.ratio);
+                    }
                 }
+            }
+            if json {
+                println!("{}", serde_json::to_string_pretty(&all)?);
             }
         }
     }

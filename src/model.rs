@@ -8,7 +8,8 @@ use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::{Embedding, RmsNorm, VarBuilder};
 use serde::{Deserialize, Serialize};
 
-use crate::kernels::{PackedMatmul, PackedWeight, RowMatmul, TreeAttention, TreeMask};
+use crate::kernels::{PackedWeight, RowMatmul, TreeAttention, TreeMask};
+use crate::quant::{CpuMatmul, CpuWeight, PackedF16, PackedQuant, QuantRows, WeightFormat};
 use crate::kv_cache::KvCache;
 use crate::{Error, Result};
 
@@ -52,31 +53,28 @@ impl Config {
     }
 }
 
-/// A linear layer. On the CPU, calls with up to [`ROW_KERNEL_MAX_ROWS`] rows (decoding and tree
-/// verification) use the batch-invariant kernels, with the weight repacked into panels once at
-/// load; larger calls and other devices use candle's matmul.
+/// A linear layer. On the CPU it keeps a second copy of its weight in a fast-path format
+/// ([`WeightFormat`]): calls with up to [`ROW_KERNEL_MAX_ROWS`] rows (decoding and tree
+/// verification) use that copy's batch-invariant kernel; larger calls use candle's gemm on the
+/// f32 weight when the format is f32, and the format's own kernel otherwise. Other devices use
+/// candle's matmul on the f32 weight.
 #[derive(Clone)]
 pub struct Linear {
     weight: Tensor,
     bias: Option<Tensor>,
-    packed: Option<Arc<PackedWeight>>,
+    fast: Option<Arc<CpuWeight>>,
 }
 
 impl Linear {
-    /// Without a packed copy (the row kernel still keeps CPU results batch-invariant).
+    /// Without a fast copy (the row kernel still keeps CPU results batch-invariant).
     pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
-        Linear { weight, bias, packed: None }
+        Linear { weight, bias, fast: None }
     }
-    /// With a packed copy for the fast CPU kernel (costs a second copy of the weight).
+    /// With an f32 panel copy for the fast CPU kernel (costs a second copy of the weight).
     pub fn new_packed(weight: Tensor, bias: Option<Tensor>) -> Result<Self> {
-        let packed = if weight.device().is_cpu() && weight.dtype() == DType::F32 {
-            let (n, k) = weight.dims2()?;
-            let data = weight.flatten_all()?.to_vec1::<f32>()?;
-            Some(Arc::new(PackedWeight::pack(&data, n, k)))
-        } else {
-            None
-        };
-        Ok(Linear { weight, bias, packed })
+        let mut l = Linear::new(weight, bias);
+        l.set_format(WeightFormat::F32, None)?;
+        Ok(l)
     }
     pub fn load(in_dim: usize, out_dim: usize, bias: bool, vb: VarBuilder) -> Result<Self> {
         let weight = vb.get((out_dim, in_dim), "weight")?;
@@ -86,16 +84,49 @@ impl Linear {
     pub fn weight(&self) -> &Tensor {
         &self.weight
     }
+    /// The fast-path format in use, e.g. "q4" or "f32"; `None` off the CPU.
+    pub fn format_name(&self) -> Option<&'static str> {
+        self.fast.as_ref().map(|f| f.format_name())
+    }
+    /// Bytes one call streams from the fast copy (the f32 weight's size off the CPU).
+    pub fn bytes_per_call(&self) -> usize {
+        match &self.fast {
+            Some(f) => f.bytes(),
+            None => self.weight.elem_count() * self.weight.dtype().size_in_bytes(),
+        }
+    }
+    /// Rebuild the fast copy in `format`. `native` is this weight's own GGUF blocks, which
+    /// [`WeightFormat::Native`] keeps; native without blocks means f32.
+    pub fn set_format(&mut self, format: WeightFormat, native: Option<&QuantRows>) -> Result<()> {
+        if !self.weight.device().is_cpu() || self.weight.dtype() != DType::F32 {
+            self.fast = None;
+            return Ok(());
+        }
+        let (n, k) = self.weight.dims2()?;
+        let data = || -> Result<Vec<f32>> { Ok(self.weight.flatten_all()?.to_vec1::<f32>()?) };
+        let fast = match (format, native) {
+            (WeightFormat::F32, _) | (WeightFormat::Native, None) => CpuWeight::F32(PackedWeight::pack(&data()?, n, k)),
+            (WeightFormat::F16, _) => CpuWeight::F16(PackedF16::pack(&data()?, n, k)),
+            (WeightFormat::Q8_0, _) if k % crate::quant::QK != 0 => CpuWeight::F32(PackedWeight::pack(&data()?, n, k)),
+            (WeightFormat::Q8_0, _) => CpuWeight::Quant(PackedQuant::pack(&QuantRows::quantize_q8_0(&data()?, n, k)?)),
+            (WeightFormat::Native, Some(q)) => {
+                if (q.n, q.k) != (n, k) {
+                    return Err(Error::InvalidArgument(format!("quantized weight is [{}, {}], layer is [{n}, {k}]", q.n, q.k)));
+                }
+                CpuWeight::Quant(PackedQuant::pack(q))
+            }
+        };
+        self.fast = Some(Arc::new(fast));
+        Ok(())
+    }
     /// `x [rows, in] -> [rows, out]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let rows = x.dim(0)?;
-        let small = x.device().is_cpu() && rows <= ROW_KERNEL_MAX_ROWS && x.dtype() == DType::F32;
-        let y = if small && self.packed.is_some() {
-            x.contiguous()?.apply_op1_no_bwd(&PackedMatmul(self.packed.clone().unwrap()))?
-        } else if small {
-            x.contiguous()?.apply_op2_no_bwd(&self.weight, &RowMatmul)?
-        } else {
-            x.matmul(&self.weight.t()?)?
+        let cpu_f32 = x.device().is_cpu() && x.dtype() == DType::F32;
+        let y = match &self.fast {
+            Some(f) if cpu_f32 && f.prefers_kernel(rows) => x.contiguous()?.apply_op1_no_bwd(&CpuMatmul(f.clone()))?,
+            _ if cpu_f32 && rows <= ROW_KERNEL_MAX_ROWS => x.contiguous()?.apply_op2_no_bwd(&self.weight, &RowMatmul)?,
+            _ => x.matmul(&self.weight.t()?)?,
         };
         Ok(match &self.bias {
             Some(b) => y.broadcast_add(b)?,
@@ -103,6 +134,20 @@ impl Linear {
         })
     }
 }
+
+/// How [`Llama::set_weights`] treats one tensor under [`WeightFormat::Native`].
+#[derive(Clone, Debug)]
+pub enum NativeWeight {
+    /// The GGUF's own blocks, kept as they are.
+    Blocks(QuantRows),
+    /// Stored as f16 in the file.
+    F16,
+    /// A quantized type without a kernel here (K-quants and others): requantised to Q8_0.
+    Requantize,
+}
+
+/// Per-tensor native formats by Hugging Face name; tensors absent are f32.
+pub type NativeWeights = std::collections::HashMap<String, NativeWeight>;
 
 struct Attention {
     q: Linear,
@@ -136,6 +181,7 @@ pub struct Llama {
     sin: Tensor,
     cfg: Config,
     device: Device,
+    format: WeightFormat,
 }
 
 fn rope_tables(cfg: &Config, device: &Device) -> Result<(Tensor, Tensor)> {
@@ -199,7 +245,54 @@ impl Llama {
             Linear::load(d, cfg.vocab_size, false, vb.pp("lm_head"))?
         };
         let (cos, sin) = rope_tables(cfg, &device)?;
-        Ok(Llama { embed, blocks, norm, lm_head, cos, sin, cfg: cfg.clone(), device })
+        Ok(Llama { embed, blocks, norm, lm_head, cos, sin, cfg: cfg.clone(), device, format: WeightFormat::F32 })
+    }
+
+    /// Switch every projection's CPU fast path to `format`. `native` (filled by the loader)
+    /// says, per Hugging Face tensor name, what [`WeightFormat::Native`] keeps; tensors absent
+    /// from it stay f32. Off the CPU this changes nothing: GPUs keep candle's f32 kernels.
+    pub fn set_weights(&mut self, format: WeightFormat, native: &NativeWeights) -> Result<()> {
+        let mut layers: Vec<(String, &mut Linear)> = Vec::new();
+        for (i, b) in self.blocks.iter_mut().enumerate() {
+            let p = format!("model.layers.{i}.");
+            layers.push((format!("{p}self_attn.q_proj.weight"), &mut b.attn.q));
+            layers.push((format!("{p}self_attn.k_proj.weight"), &mut b.attn.k));
+            layers.push((format!("{p}self_attn.v_proj.weight"), &mut b.attn.v));
+            layers.push((format!("{p}self_attn.o_proj.weight"), &mut b.attn.o));
+            layers.push((format!("{p}mlp.gate_proj.weight"), &mut b.mlp.gate));
+            layers.push((format!("{p}mlp.up_proj.weight"), &mut b.mlp.up));
+            layers.push((format!("{p}mlp.down_proj.weight"), &mut b.mlp.down));
+        }
+        let head = if self.cfg.tie_embeddings { "model.embed_tokens.weight" } else { "lm_head.weight" };
+        layers.push((head.to_string(), &mut self.lm_head));
+        for (name, l) in layers {
+            let (fmt, q) = match format {
+                WeightFormat::Native => match native.get(&name) {
+                    Some(NativeWeight::Blocks(q)) => (WeightFormat::Native, Some(q)),
+                    Some(NativeWeight::F16) => (WeightFormat::F16, None),
+                    Some(NativeWeight::Requantize) => (WeightFormat::Q8_0, None),
+                    None => (WeightFormat::F32, None),
+                },
+                f => (f, None),
+            };
+            l.set_format(fmt, q).map_err(|e| Error::InvalidArgument(format!("{name}: {e}")))?;
+        }
+        self.format = format;
+        Ok(())
+    }
+    /// The CPU fast path's weight format.
+    pub fn weight_format(&self) -> WeightFormat {
+        self.format
+    }
+    /// Bytes of projection weights read per forward: the memory-bound floor's numerator.
+    pub fn weight_bytes_per_forward(&self) -> usize {
+        let mut total = self.lm_head.bytes_per_call();
+        for b in &self.blocks {
+            for l in [&b.attn.q, &b.attn.k, &b.attn.v, &b.attn.o, &b.mlp.gate, &b.mlp.up, &b.mlp.down] {
+                total += l.bytes_per_call();
+            }
+        }
+        total
     }
 
     pub fn config(&self) -> &Config {
@@ -221,6 +314,16 @@ impl Llama {
     /// `cache`) and return the final-norm hidden states `[T, hidden]`. The new tokens' K/V land in
     /// slots `cache.len()..cache.len()+T` and are committed.
     pub fn forward(&self, tokens: &[u32], positions: &[usize], mask: &TreeMask, cache: &mut KvCache) -> Result<Tensor> {
+        // Run the whole forward on a rayon worker: each of the ~200 parallel matmuls in it then
+        // starts by work-stealing instead of waking a pool thread and putting this one to sleep,
+        // which cost about as much as the matmuls themselves at one token.
+        if self.device.is_cpu() && rayon::current_thread_index().is_none() {
+            return rayon::scope(|_| self.forward_inner(tokens, positions, mask, cache));
+        }
+        self.forward_inner(tokens, positions, mask, cache)
+    }
+
+    fn forward_inner(&self, tokens: &[u32], positions: &[usize], mask: &TreeMask, cache: &mut KvCache) -> Result<Tensor> {
         let t = tokens.len();
         if t == 0 || positions.len() != t || mask.len() != t {
             return Err(Error::InvalidArgument(format!(
@@ -268,6 +371,9 @@ impl Llama {
 
     /// `hidden [T, d] -> logits [T, vocab]`.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        if self.device.is_cpu() && rayon::current_thread_index().is_none() {
+            return rayon::scope(|_| self.lm_head.forward(hidden));
+        }
         self.lm_head.forward(hidden)
     }
 

@@ -7,18 +7,6 @@ use common::*;
 use selfspec::fixtures;
 use selfspec::kernels::TreeMask;
 use selfspec::loader::Target;
-use selfspec::model::{row_to_vec, rows_to_vec, Llama};
-
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
-}
-
-fn last_logits(m: &Llama, toks: &[u32]) -> Vec<f32> {
-    let mut c = m.new_cache().unwrap();
-    let h = m.forward_causal(toks, &mut c).unwrap();
-    let l = m.logits(&h).unwrap();
-    row_to_vec(&l, toks.len() - 1).unwrap()
-}
 
 #[test]
 fn gguf_and_hf_loaders_give_identical_logits() {
@@ -55,62 +43,6 @@ fn logits_match_candle_transformers_quantized_llama() {
     let mine = last_logits(&ours.model, &toks);
     let d = max_diff(&mine, &reference);
     assert!(d <= 1e-4, "max abs diff {d} against quantized_llama");
-}
-
-/// Random prefix-closed tree: node i's parent is any earlier node.
-fn random_tree(r: &mut Rand, n: usize) -> Vec<Option<usize>> {
-    (0..n).map(|i| if i == 0 { None } else { Some(r.below(i)) }).collect()
-}
-
-fn path_to(parents: &[Option<usize>], mut i: usize) -> Vec<usize> {
-    let mut p = vec![i];
-    while let Some(q) = parents[i] {
-        p.push(q);
-        i = q;
-    }
-    p.reverse();
-    p
-}
-
-fn check_tree_equivalence(model: &Llama, prompt: &[u32], n: usize, seed: u64) {
-    let mut r = Rand(seed);
-    let parents = random_tree(&mut r, n);
-    let vocab = model.config().vocab_size;
-    let tokens: Vec<u32> = (0..n).map(|_| r.below(vocab) as u32).collect();
-    let depth: Vec<usize> = (0..n).map(|i| path_to(&parents, i).len() - 1).collect();
-    let mut cache = model.new_cache().unwrap();
-    model.forward_causal(prompt, &mut cache).unwrap();
-    let l = prompt.len();
-    let positions: Vec<usize> = depth.iter().map(|d| l + d).collect();
-    let mask = TreeMask::from_parents(&parents).unwrap();
-    let h = model.forward(&tokens, &positions, &mask, &mut cache).unwrap();
-    let tree_logits = rows_to_vec(&model.logits(&h).unwrap()).unwrap();
-    for i in 0..n {
-        // Sequential: same prefill, then the path one token at a time.
-        let mut c = model.new_cache().unwrap();
-        model.forward_causal(prompt, &mut c).unwrap();
-        let mut last = vec![];
-        for &node in &path_to(&parents, i) {
-            let h = model.forward_causal(&[tokens[node]], &mut c).unwrap();
-            last = row_to_vec(&model.logits(&h).unwrap(), 0).unwrap();
-        }
-        assert_eq!(tree_logits[i], last, "node {i}: tree logits are not bit-identical to sequential decoding");
-    }
-    // Compact to the deepest path, run one more token, compare with a fresh prefill.
-    let deepest = (0..n).max_by_key(|&i| depth[i]).unwrap();
-    let path = path_to(&parents, deepest);
-    let slots: Vec<usize> = path.iter().map(|&p| l + p).collect();
-    cache.compact(l, &slots).unwrap();
-    assert_eq!(cache.len(), l + path.len());
-    let next = 7u32;
-    let h = model.forward_causal(&[next], &mut cache).unwrap();
-    let after = row_to_vec(&model.logits(&h).unwrap(), 0).unwrap();
-    let mut full = prompt.to_vec();
-    full.extend(path.iter().map(|&p| tokens[p]));
-    full.push(next);
-    let fresh = last_logits(model, &full);
-    let d = max_diff(&after, &fresh);
-    assert!(d <= 1e-4, "after compaction the next forward differs from a fresh prefill by {d}");
 }
 
 #[test]

@@ -2,6 +2,8 @@
 use std::path::PathBuf;
 
 use candle_core::Device;
+use selfspec::kernels::TreeMask;
+use selfspec::model::{row_to_vec, rows_to_vec, Llama};
 use selfspec::fixtures;
 use selfspec::loader::Target;
 
@@ -51,3 +53,71 @@ impl Rand {
         (self.next() % n as u64) as usize
     }
 }
+
+pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+pub fn last_logits(m: &Llama, toks: &[u32]) -> Vec<f32> {
+    let mut c = m.new_cache().unwrap();
+    let h = m.forward_causal(toks, &mut c).unwrap();
+    let l = m.logits(&h).unwrap();
+    row_to_vec(&l, toks.len() - 1).unwrap()
+}
+
+/// Random prefix-closed tree: node i's parent is any earlier node.
+pub fn random_tree(r: &mut Rand, n: usize) -> Vec<Option<usize>> {
+    (0..n).map(|i| if i == 0 { None } else { Some(r.below(i)) }).collect()
+}
+
+pub fn path_to(parents: &[Option<usize>], mut i: usize) -> Vec<usize> {
+    let mut p = vec![i];
+    while let Some(q) = parents[i] {
+        p.push(q);
+        i = q;
+    }
+    p.reverse();
+    p
+}
+
+pub fn check_tree_equivalence(model: &Llama, prompt: &[u32], n: usize, seed: u64) {
+    let mut r = Rand(seed);
+    let parents = random_tree(&mut r, n);
+    let vocab = model.config().vocab_size;
+    let tokens: Vec<u32> = (0..n).map(|_| r.below(vocab) as u32).collect();
+    let depth: Vec<usize> = (0..n).map(|i| path_to(&parents, i).len() - 1).collect();
+    let mut cache = model.new_cache().unwrap();
+    model.forward_causal(prompt, &mut cache).unwrap();
+    let l = prompt.len();
+    let positions: Vec<usize> = depth.iter().map(|d| l + d).collect();
+    let mask = TreeMask::from_parents(&parents).unwrap();
+    let h = model.forward(&tokens, &positions, &mask, &mut cache).unwrap();
+    let tree_logits = rows_to_vec(&model.logits(&h).unwrap()).unwrap();
+    for i in 0..n {
+        // Sequential: same prefill, then the path one token at a time.
+        let mut c = model.new_cache().unwrap();
+        model.forward_causal(prompt, &mut c).unwrap();
+        let mut last = vec![];
+        for &node in &path_to(&parents, i) {
+            let h = model.forward_causal(&[tokens[node]], &mut c).unwrap();
+            last = row_to_vec(&model.logits(&h).unwrap(), 0).unwrap();
+        }
+        assert_eq!(tree_logits[i], last, "node {i}: tree logits are not bit-identical to sequential decoding");
+    }
+    // Compact to the deepest path, run one more token, compare with a fresh prefill.
+    let deepest = (0..n).max_by_key(|&i| depth[i]).unwrap();
+    let path = path_to(&parents, deepest);
+    let slots: Vec<usize> = path.iter().map(|&p| l + p).collect();
+    cache.compact(l, &slots).unwrap();
+    assert_eq!(cache.len(), l + path.len());
+    let next = 7u32;
+    let h = model.forward_causal(&[next], &mut cache).unwrap();
+    let after = row_to_vec(&model.logits(&h).unwrap(), 0).unwrap();
+    let mut full = prompt.to_vec();
+    full.extend(path.iter().map(|&p| tokens[p]));
+    full.push(next);
+    let fresh = last_logits(model, &full);
+    let d = max_diff(&after, &fresh);
+    assert!(d <= 1e-4, "after compaction the next forward differs from a fresh prefill by {d}");
+}
+

@@ -1,0 +1,895 @@
+//! Weight formats for the CPU fast path: f32, f16, and GGUF Q8_0 / Q4_0 / Q4_1 kept quantized.
+//!
+//! Why: decoding one token reads every weight once, so bytes per weight set the speed floor
+//! (SmolLM2-135M: 538 MB in f32, 145 MB in Q8_0, ~90 MB in Q4_1). Keeping the GGUF's own blocks
+//! and doing the arithmetic in 8-bit integers (as llama.cpp does) reads 4-6x fewer bytes.
+//!
+//! Batch invariance, which greedy exactness needs, holds by construction:
+//! - each activation row is quantized on its own (per 32-value block, like llama.cpp's Q8_0),
+//!   so its codes do not depend on the other rows in the call;
+//! - the integer dot product of one 32-value block is exact, so its order does not matter;
+//! - the per-block float terms are added to each output in block order, one fused multiply-add
+//!   chain per output, on every instruction-set path (AVX-512 VNNI and portable code give the
+//!   same bits).
+//!
+//! Weights are repacked at load into panels of 16 output columns so one 512-bit integer
+//! multiply-add instruction (`vpdpbusd`) serves 16 outputs, and each panel is read once for all
+//! activation rows.
+use std::str::FromStr;
+
+use half::f16;
+use rayon::prelude::*;
+
+use crate::kernels::{isa, Isa, OutPtr, PackedWeight, PANEL};
+use crate::{Error, Result};
+
+/// Values per quantization block (Q8_0, Q4_0 and Q4_1 all use 32).
+pub const QK: usize = 32;
+
+/// What `--weights` selects: the number format of the CPU fast path's weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WeightFormat {
+    /// Dequantised f32: the reference every other format is tested against.
+    F32,
+    /// Half precision, f32 arithmetic: half the bytes, results within f16 rounding of f32.
+    F16,
+    /// 8-bit blocks requantised from f32 (GGUF Q8_0 layout), int8 arithmetic.
+    Q8_0,
+    /// Each tensor in the GGUF's own format where a kernel exists (F32, F16, Q8_0, Q4_0, Q4_1);
+    /// other GGUF types are requantised to Q8_0. Hugging Face models have no native quantization
+    /// and use f32.
+    Native,
+}
+
+impl WeightFormat {
+    pub const ALL: [WeightFormat; 4] = [WeightFormat::F32, WeightFormat::F16, WeightFormat::Q8_0, WeightFormat::Native];
+    pub fn name(self) -> &'static str {
+        match self {
+            WeightFormat::F32 => "f32",
+            WeightFormat::F16 => "f16",
+            WeightFormat::Q8_0 => "q8_0",
+            WeightFormat::Native => "native",
+        }
+    }
+}
+
+impl std::fmt::Display for WeightFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for WeightFormat {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" => Ok(WeightFormat::F32),
+            "f16" => Ok(WeightFormat::F16),
+            "q8_0" | "q8" => Ok(WeightFormat::Q8_0),
+            "native" => Ok(WeightFormat::Native),
+            _ => Err(Error::InvalidArgument(format!("unknown weight format '{s}' (expected f32, f16, q8_0 or native)"))),
+        }
+    }
+}
+
+/// GGUF block types the kernels read directly.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QuantKind {
+    Q8_0,
+    Q4_0,
+    Q4_1,
+}
+
+impl QuantKind {
+    /// Bytes of one GGUF block of 32 values.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            QuantKind::Q8_0 => 34,
+            QuantKind::Q4_0 => 18,
+            QuantKind::Q4_1 => 20,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantKind::Q8_0 => "q8_0",
+            QuantKind::Q4_0 => "q4_0",
+            QuantKind::Q4_1 => "q4_1",
+        }
+    }
+}
+
+/// A weight matrix `[n, k]` as raw GGUF blocks, row by row (one row = one output).
+#[derive(Clone, Debug)]
+pub struct QuantRows {
+    pub kind: QuantKind,
+    pub n: usize,
+    pub k: usize,
+    pub bytes: Vec<u8>,
+}
+
+impl QuantRows {
+    pub fn new(kind: QuantKind, n: usize, k: usize, bytes: Vec<u8>) -> Result<Self> {
+        if k % QK != 0 {
+            return Err(Error::InvalidArgument(format!("{} rows of {k} values: not a multiple of {QK}", kind.name())));
+        }
+        let want = n * k / QK * kind.block_bytes();
+        if bytes.len() != want {
+            return Err(Error::InvalidArgument(format!("{} [{n}, {k}]: {} bytes, expected {want}", kind.name(), bytes.len())));
+        }
+        Ok(QuantRows { kind, n, k, bytes })
+    }
+
+    /// Quantize f32 rows to Q8_0 the way llama.cpp does (scale = max|x| / 127, round half away).
+    pub fn quantize_q8_0(w: &[f32], n: usize, k: usize) -> Result<Self> {
+        if k % QK != 0 || w.len() != n * k {
+            return Err(Error::InvalidArgument(format!("cannot quantize [{n}, {k}] ({} values) to q8_0 blocks of {QK}", w.len())));
+        }
+        let mut bytes = Vec::with_capacity(n * k / QK * 34);
+        for block in w.chunks_exact(QK) {
+            let amax = block.iter().fold(0f32, |a, &x| a.max(x.abs()));
+            let d = amax / 127.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            bytes.extend_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
+            bytes.extend(block.iter().map(|&x| (x * id).round() as i8 as u8));
+        }
+        Ok(QuantRows { kind: QuantKind::Q8_0, n, k, bytes })
+    }
+
+    /// Quantize f32 rows to Q4_1 (per block: offset = min, scale = (max - min) / 15), the
+    /// format of the SmolLM2 GGUF; for benchmarks and tests of the 4-bit kernel.
+    pub fn quantize_q4_1(w: &[f32], n: usize, k: usize) -> Result<Self> {
+        if k % QK != 0 || w.len() != n * k {
+            return Err(Error::InvalidArgument(format!("cannot quantize [{n}, {k}] ({} values) to q4_1 blocks of {QK}", w.len())));
+        }
+        let mut bytes = Vec::with_capacity(n * k / QK * 20);
+        for block in w.chunks_exact(QK) {
+            let lo = block.iter().cloned().fold(f32::INFINITY, f32::min);
+            let hi = block.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let d = (hi - lo) / 15.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            bytes.extend_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
+            bytes.extend_from_slice(&f16::from_f32(lo).to_bits().to_le_bytes());
+            let q: Vec<u8> = block.iter().map(|&v| (((v - lo) * id).round() as i32).clamp(0, 15) as u8).collect();
+            for i in 0..16 {
+                bytes.push(q[i] | (q[i + 16] << 4));
+            }
+        }
+        Ok(QuantRows { kind: QuantKind::Q4_1, n, k, bytes })
+    }
+
+    fn row_bytes(&self) -> usize {
+        self.k / QK * self.kind.block_bytes()
+    }
+
+    /// Rows reordered: output row `i` is input row `perm[i]` (for GGUF's permuted q/k rows).
+    pub fn permute_rows(&self, perm: &[usize]) -> Self {
+        let rb = self.row_bytes();
+        let mut bytes = Vec::with_capacity(self.bytes.len());
+        for &src in perm {
+            bytes.extend_from_slice(&self.bytes[src * rb..(src + 1) * rb]);
+        }
+        QuantRows { bytes, ..self.clone() }
+    }
+
+    /// The block `b` of row `j` as (scale, offset, 32 unsigned codes): value = d * code + m.
+    /// Q8_0 codes are stored +128 so every format feeds the unsigned operand of `vpdpbusd`.
+    fn block(&self, j: usize, b: usize) -> (f16, f16, [u8; QK]) {
+        let bb = self.kind.block_bytes();
+        let s = &self.bytes[j * self.row_bytes() + b * bb..][..bb];
+        let d = f16::from_bits(u16::from_le_bytes([s[0], s[1]]));
+        let mut q = [0u8; QK];
+        match self.kind {
+            QuantKind::Q8_0 => {
+                for (i, q) in q.iter_mut().enumerate() {
+                    *q = (s[2 + i] as i8 as i16 + 128) as u8;
+                }
+                (d, f16::from_f32(-128.0 * d.to_f32()), q)
+            }
+            QuantKind::Q4_0 | QuantKind::Q4_1 => {
+                let (m, qs) = if self.kind == QuantKind::Q4_1 {
+                    (f16::from_bits(u16::from_le_bytes([s[2], s[3]])), &s[4..20])
+                } else {
+                    // Q4_0 is d * (q - 8): an offset of -8d, exact in f16 (a power-of-two scaling).
+                    (f16::from_f32(-8.0 * d.to_f32()), &s[2..18])
+                };
+                for i in 0..16 {
+                    q[i] = qs[i] & 0x0f;
+                    q[i + 16] = qs[i] >> 4;
+                }
+                (d, m, q)
+            }
+        }
+    }
+
+    /// Dequantised f32 `[n, k]`, the reference the kernels are tested against.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let nb = self.k / QK;
+        let mut out = Vec::with_capacity(self.n * self.k);
+        for j in 0..self.n {
+            for b in 0..nb {
+                let (d, m, q) = self.block(j, b);
+                let (d, m) = (d.to_f32(), m.to_f32());
+                if self.kind == QuantKind::Q8_0 {
+                    out.extend(q.iter().map(|&c| d * (c as i32 - 128) as f32));
+                } else {
+                    out.extend(q.iter().map(|&c| d * c as f32 + m));
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Half-precision weights in the f32 kernel's panel layout (`[k][16]` per panel).
+pub struct PackedF16 {
+    k: usize,
+    n: usize,
+    data: Vec<u16>,
+}
+
+impl PackedF16 {
+    pub fn pack(w: &[f32], n: usize, k: usize) -> Self {
+        assert_eq!(w.len(), n * k);
+        let panels = n.div_ceil(PANEL);
+        let mut data = vec![0u16; panels * k * PANEL];
+        data.par_chunks_mut(k * PANEL).enumerate().for_each(|(p, panel)| {
+            for c in 0..PANEL {
+                let j = p * PANEL + c;
+                if j < n {
+                    for kk in 0..k {
+                        panel[kk * PANEL + c] = f16::from_f32(w[j * k + kk]).to_bits();
+                    }
+                }
+            }
+        });
+        PackedF16 { k, n, data }
+    }
+}
+
+/// Integer blocks in panels of 16 columns. Per panel and block: the codes, then 16 f16 scales
+/// `d`, then 16 f16 offsets `m` (value = d * code + m).
+///
+/// Codes: for 8-bit, 8 groups of `[16 columns][4 values]` (512 bytes); for 4-bit, 4 groups of
+/// `[16 columns][4 bytes]` (256 bytes) whose low nibbles are values 4g..4g+4 and high nibbles
+/// values 16+4g..16+4g+4, which is GGUF's own nibble order, so packing only regroups bytes.
+pub struct PackedQuant {
+    k: usize,
+    n: usize,
+    bits4: bool,
+    data: Vec<u8>,
+}
+
+impl PackedQuant {
+    fn codes_bytes(bits4: bool) -> usize {
+        if bits4 {
+            256
+        } else {
+            512
+        }
+    }
+    fn stride(bits4: bool) -> usize {
+        Self::codes_bytes(bits4) + 64
+    }
+
+    pub fn pack(q: &QuantRows) -> Self {
+        let (n, k) = (q.n, q.k);
+        let bits4 = q.kind != QuantKind::Q8_0;
+        let nb = k / QK;
+        let stride = Self::stride(bits4);
+        let codes = Self::codes_bytes(bits4);
+        let panels = n.div_ceil(PANEL);
+        let mut data = vec![0u8; panels * nb * stride];
+        data.par_chunks_mut(nb * stride).enumerate().for_each(|(p, panel)| {
+            for c in 0..PANEL {
+                let j = p * PANEL + c;
+                if j >= n {
+                    continue;
+                }
+                for b in 0..nb {
+                    let dst = &mut panel[b * stride..(b + 1) * stride];
+                    let (d, m, vals) = q.block(j, b);
+                    if bits4 {
+                        for g in 0..4 {
+                            for i in 0..4 {
+                                dst[g * 64 + c * 4 + i] = vals[4 * g + i] | (vals[16 + 4 * g + i] << 4);
+                            }
+                        }
+                    } else {
+                        for g in 0..8 {
+                            for i in 0..4 {
+                                dst[g * 64 + c * 4 + i] = vals[4 * g + i];
+                            }
+                        }
+                    }
+                    dst[codes + 2 * c..codes + 2 * c + 2].copy_from_slice(&d.to_bits().to_le_bytes());
+                    dst[codes + 32 + 2 * c..codes + 34 + 2 * c].copy_from_slice(&m.to_bits().to_le_bytes());
+                }
+            }
+        });
+        PackedQuant { k, n, bits4, data }
+    }
+}
+
+/// A CPU weight in one of the fast-path formats.
+pub enum CpuWeight {
+    F32(PackedWeight),
+    F16(PackedF16),
+    Quant(PackedQuant),
+}
+
+impl CpuWeight {
+    pub fn rows(&self) -> usize {
+        match self {
+            CpuWeight::F32(w) => w.rows(),
+            CpuWeight::F16(w) => w.n,
+            CpuWeight::Quant(w) => w.n,
+        }
+    }
+    pub fn cols(&self) -> usize {
+        match self {
+            CpuWeight::F32(w) => w.cols(),
+            CpuWeight::F16(w) => w.k,
+            CpuWeight::Quant(w) => w.k,
+        }
+    }
+    /// Bytes the kernel streams per call: what sets the memory-bound speed floor.
+    pub fn bytes(&self) -> usize {
+        match self {
+            CpuWeight::F32(w) => w.rows().div_ceil(PANEL) * PANEL * w.cols() * 4,
+            CpuWeight::F16(w) => w.data.len() * 2,
+            CpuWeight::Quant(w) => w.data.len(),
+        }
+    }
+    pub fn format_name(&self) -> &'static str {
+        match self {
+            CpuWeight::F32(_) => "f32",
+            CpuWeight::F16(_) => "f16",
+            CpuWeight::Quant(w) if w.bits4 => "q4",
+            CpuWeight::Quant(_) => "q8_0",
+        }
+    }
+    /// f32 keeps candle's gemm for large row counts (prefill, training), where it is faster;
+    /// the compact formats always use their own kernel, so the format decides the numerics.
+    pub fn prefers_kernel(&self, rows: usize) -> bool {
+        !matches!(self, CpuWeight::F32(_)) || rows <= crate::model::ROW_KERNEL_MAX_ROWS
+    }
+
+    /// `out[m][n] = sum_k x[m][k] * w[n][k]`, batch-invariant.
+    pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
+        match self {
+            CpuWeight::F32(w) => crate::kernels::matmul_packed(x, m, w),
+            CpuWeight::F16(w) => matmul_f16(x, m, w),
+            CpuWeight::Quant(w) => matmul_quant(x, m, w),
+        }
+    }
+}
+
+/// Tasks per thread in a matmul: few and long, so each streams a long contiguous run of weights
+/// (the hardware prefetcher needs a run to ramp up), yet more than one for load balance.
+const TASKS_PER_THREAD: usize = 2;
+
+/// Split `panels` into rayon tasks of whole groups of `group` panels.
+fn for_each_panel_range(panels: usize, group: usize, f: impl Fn(usize, usize) + Sync) {
+    let per_task = (panels.div_ceil(rayon::current_num_threads() * TASKS_PER_THREAD).max(group)).div_ceil(group) * group;
+    let tasks = panels.div_ceil(per_task);
+    (0..tasks).into_par_iter().for_each(|t| {
+        let p0 = t * per_task;
+        f(p0, (p0 + per_task).min(panels));
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// f16
+
+fn matmul_f16(x: &[f32], m: usize, w: &PackedF16) -> Vec<f32> {
+    assert_eq!(x.len(), m * w.k, "x has {} values, expected {m}x{}", x.len(), w.k);
+    let mut out = vec![0f32; m * w.n];
+    let ptr = OutPtr(out.as_mut_ptr());
+    let use_avx512 = matches!(isa(), Isa::Avx512);
+    for_each_panel_range(w.n.div_ceil(PANEL), 4, |p0, p1| {
+        let ptr = ptr;
+        #[cfg(target_arch = "x86_64")]
+        if use_avx512 {
+            unsafe { avx512_f16::block(x, m, w, p0, p1, ptr) };
+            return;
+        }
+        let _ = use_avx512;
+        f16_block(x, m, w, p0, p1, ptr);
+    });
+    out
+}
+
+/// Portable f16 kernel: the same single FMA chain per output as the AVX-512 one.
+fn f16_block(x: &[f32], m: usize, w: &PackedF16, p0: usize, p1: usize, out: OutPtr) {
+    let (k, n) = (w.k, w.n);
+    for p in p0..p1 {
+        let panel = &w.data[p * k * PANEL..(p + 1) * k * PANEL];
+        for i in 0..m {
+            let xr = &x[i * k..(i + 1) * k];
+            let mut acc = [0f32; PANEL];
+            for kk in 0..k {
+                for c in 0..PANEL {
+                    acc[c] = xr[kk].mul_add(f16::from_bits(panel[kk * PANEL + c]).to_f32(), acc[c]);
+                }
+            }
+            for (c, a) in acc.iter().enumerate() {
+                let j = p * PANEL + c;
+                if j < n {
+                    unsafe { *out.0.add(i * n + j) = *a };
+                }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512_f16 {
+    use super::{OutPtr, PackedF16, PANEL};
+    use std::arch::x86_64::*;
+
+    #[inline(always)]
+    unsafe fn tile<const MR: usize, const NR: usize>(x: *const f32, k: usize, w: *const u16, i0: usize, p0: usize, n: usize, out: OutPtr) {
+        let mut acc = [[_mm512_setzero_ps(); NR]; MR];
+        let panel_len = k * PANEL;
+        for kk in 0..k {
+            let mut wv = [_mm512_setzero_ps(); NR];
+            for (jj, wv) in wv.iter_mut().enumerate() {
+                *wv = _mm512_cvtph_ps(_mm256_loadu_si256(w.add((p0 + jj) * panel_len + kk * PANEL) as *const __m256i));
+            }
+            for (ii, row) in acc.iter_mut().enumerate() {
+                let xb = _mm512_set1_ps(*x.add((i0 + ii) * k + kk));
+                for jj in 0..NR {
+                    row[jj] = _mm512_fmadd_ps(xb, wv[jj], row[jj]);
+                }
+            }
+        }
+        for (ii, row) in acc.iter().enumerate() {
+            for (jj, a) in row.iter().enumerate() {
+                let col = (p0 + jj) * PANEL;
+                let live = n.saturating_sub(col).min(PANEL);
+                let mask: __mmask16 = if live >= PANEL { 0xffff } else { ((1u32 << live) - 1) as __mmask16 };
+                _mm512_mask_storeu_ps(out.0.add((i0 + ii) * n + col), mask, *a);
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn panels<const NR: usize>(x: *const f32, m: usize, k: usize, w: *const u16, p: usize, n: usize, out: OutPtr) {
+        let mut i = 0;
+        while i + 4 <= m {
+            tile::<4, NR>(x, k, w, i, p, n, out);
+            i += 4;
+        }
+        match m - i {
+            3 => tile::<3, NR>(x, k, w, i, p, n, out),
+            2 => tile::<2, NR>(x, k, w, i, p, n, out),
+            1 => tile::<1, NR>(x, k, w, i, p, n, out),
+            _ => {}
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn block(x: &[f32], m: usize, w: &PackedF16, p0: usize, p1: usize, out: OutPtr) {
+        let (xp, wp) = (x.as_ptr(), w.data.as_ptr());
+        let mut p = p0;
+        while p + 4 <= p1 {
+            panels::<4>(xp, m, w.k, wp, p, w.n, out);
+            p += 4;
+        }
+        while p < p1 {
+            panels::<1>(xp, m, w.k, wp, p, w.n, out);
+            p += 1;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Integer blocks
+
+/// Activation rows quantized per 32-value block: codes, scale, and code sum per block.
+struct QuantActs {
+    q: Vec<i8>,
+    d: Vec<f32>,
+    sum: Vec<i32>,
+}
+
+/// Rounds to nearest, ties to even, for |x| < 2^22 with plain adds the compiler vectorises
+/// (`f32::round` is a libm call per value and was 6% of a 16-token forward).
+#[inline(always)]
+fn round_small(x: f32) -> f32 {
+    const MAGIC: f32 = 12582912.0; // 1.5 * 2^23
+    (x + MAGIC) - MAGIC
+}
+
+fn quantize_acts(x: &[f32], m: usize, k: usize) -> QuantActs {
+    let nb = k / QK;
+    let mut a = QuantActs { q: vec![0; m * k], d: vec![0.0; m * nb], sum: vec![0; m * nb] };
+    for (bi, (block, out)) in x.chunks_exact(QK).zip(a.q.chunks_exact_mut(QK)).enumerate() {
+        let block: &[f32; QK] = block.try_into().unwrap();
+        let amax = block.iter().fold(0f32, |a, &v| a.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let mut codes = [0i32; QK];
+        for (c, &v) in codes.iter_mut().zip(block) {
+            *c = round_small(v * id) as i32;
+        }
+        let mut s = 0i32;
+        for (o, &c) in out.iter_mut().zip(&codes) {
+            *o = c as i8;
+            s += c;
+        }
+        a.d[bi] = d;
+        a.sum[bi] = s;
+    }
+    a
+}
+
+fn matmul_quant(x: &[f32], m: usize, w: &PackedQuant) -> Vec<f32> {
+    assert_eq!(x.len(), m * w.k, "x has {} values, expected {m}x{}", x.len(), w.k);
+    let acts = quantize_acts(x, m, w.k);
+    let mut out = vec![0f32; m * w.n];
+    let ptr = OutPtr(out.as_mut_ptr());
+    let vnni = vnni();
+    for_each_panel_range(w.n.div_ceil(PANEL), 2, |p0, p1| {
+        let ptr = ptr;
+        #[cfg(target_arch = "x86_64")]
+        if vnni {
+            unsafe { avx512_quant::block(&acts, m, w, p0, p1, ptr) };
+            return;
+        }
+        let _ = vnni;
+        quant_block(&acts, m, w, p0, p1, ptr);
+    });
+    out
+}
+
+fn vnni() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vnni")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    })
+}
+
+/// Portable integer kernel with the same per-block float steps as the VNNI one:
+/// `acc = fma(isum, d_w * d_x, acc); acc = fma(m_w, d_x * sum_x, acc)`.
+fn quant_block(a: &QuantActs, m: usize, w: &PackedQuant, p0: usize, p1: usize, out: OutPtr) {
+    let (k, n) = (w.k, w.n);
+    let nb = k / QK;
+    let stride = PackedQuant::stride(w.bits4);
+    let codes = PackedQuant::codes_bytes(w.bits4);
+    for p in p0..p1 {
+        for i in 0..m {
+            let mut acc = [0f32; PANEL];
+            for b in 0..nb {
+                let blk = &w.data[(p * nb + b) * stride..(p * nb + b + 1) * stride];
+                let xq = &a.q[i * k + b * QK..i * k + (b + 1) * QK];
+                let (dx, sx) = (a.d[i * nb + b], a.sum[i * nb + b]);
+                for (c, acc) in acc.iter_mut().enumerate() {
+                    let mut isum = 0i32;
+                    if w.bits4 {
+                        for g in 0..4 {
+                            for t in 0..4 {
+                                let byte = blk[g * 64 + c * 4 + t];
+                                isum += (byte & 0x0f) as i32 * xq[4 * g + t] as i32;
+                                isum += (byte >> 4) as i32 * xq[16 + 4 * g + t] as i32;
+                            }
+                        }
+                    } else {
+                        for g in 0..8 {
+                            for t in 0..4 {
+                                isum += blk[g * 64 + c * 4 + t] as i32 * xq[4 * g + t] as i32;
+                            }
+                        }
+                    }
+                    let dw = f16::from_bits(u16::from_le_bytes([blk[codes + 2 * c], blk[codes + 2 * c + 1]])).to_f32();
+                    let mw = f16::from_bits(u16::from_le_bytes([blk[codes + 32 + 2 * c], blk[codes + 33 + 2 * c]])).to_f32();
+                    *acc = (isum as f32).mul_add(dw * dx, *acc);
+                    *acc = mw.mul_add(dx * sx as f32, *acc);
+                }
+            }
+            for (c, v) in acc.iter().enumerate() {
+                let j = p * PANEL + c;
+                if j < n {
+                    unsafe { *out.0.add(i * n + j) = *v };
+                }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512_quant {
+    use super::{OutPtr, PackedQuant, QuantActs, PANEL, QK};
+    use std::arch::x86_64::*;
+
+    /// `MR` rows x `NR` panels; 8-bit or 4-bit codes.
+    #[inline(always)]
+    unsafe fn tile<const MR: usize, const NR: usize, const B4: bool>(a: &QuantActs, w: &PackedQuant, i0: usize, p0: usize, out: OutPtr) {
+        let (k, n) = (w.k, w.n);
+        let nb = k / QK;
+        let stride = PackedQuant::stride(B4);
+        let codes = PackedQuant::codes_bytes(B4);
+        let base = w.data.as_ptr();
+        let xq = a.q.as_ptr();
+        let low = _mm512_set1_epi8(0x0f);
+        let mut acc = [[_mm512_setzero_ps(); NR]; MR];
+        for b in 0..nb {
+            let mut isum = [[_mm512_setzero_si512(); NR]; MR];
+            let mut blk = [base; NR];
+            for (jj, blk) in blk.iter_mut().enumerate() {
+                *blk = base.add(((p0 + jj) * nb + b) * stride);
+                // The next block of this panel: start its fetch while this one computes.
+                _mm_prefetch::<_MM_HINT_T0>(blk.add(stride * 2) as *const i8);
+            }
+            // Short row tiles use two integer accumulators per output (exact, so splitting
+            // changes no bits) for enough independent chains to hide vpdpbusd's latency; four-row
+            // tiles have enough already and would run out of registers.
+            let mut isum2 = [[_mm512_setzero_si512(); NR]; MR];
+            if B4 {
+                for g in 0..4 {
+                    let mut lo = [_mm512_setzero_si512(); NR];
+                    let mut hi = [_mm512_setzero_si512(); NR];
+                    for jj in 0..NR {
+                        let raw = _mm512_loadu_si512(blk[jj].add(g * 64) as *const _);
+                        lo[jj] = _mm512_and_si512(raw, low);
+                        hi[jj] = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), low);
+                    }
+                    for ii in 0..MR {
+                        let row = xq.add((i0 + ii) * k + b * QK);
+                        let xl = _mm512_set1_epi32((row.add(4 * g) as *const i32).read_unaligned());
+                        let xh = _mm512_set1_epi32((row.add(16 + 4 * g) as *const i32).read_unaligned());
+                        for jj in 0..NR {
+                            isum[ii][jj] = _mm512_dpbusd_epi32(isum[ii][jj], lo[jj], xl);
+                            if MR <= 2 {
+                                isum2[ii][jj] = _mm512_dpbusd_epi32(isum2[ii][jj], hi[jj], xh);
+                            } else {
+                                isum[ii][jj] = _mm512_dpbusd_epi32(isum[ii][jj], hi[jj], xh);
+                            }
+                        }
+                    }
+                }
+            } else {
+                for g in 0..4 {
+                    let mut wa = [_mm512_setzero_si512(); NR];
+                    let mut wb = [_mm512_setzero_si512(); NR];
+                    for jj in 0..NR {
+                        wa[jj] = _mm512_loadu_si512(blk[jj].add(2 * g * 64) as *const _);
+                        wb[jj] = _mm512_loadu_si512(blk[jj].add((2 * g + 1) * 64) as *const _);
+                    }
+                    for ii in 0..MR {
+                        let row = xq.add((i0 + ii) * k + b * QK);
+                        let xa = _mm512_set1_epi32((row.add(8 * g) as *const i32).read_unaligned());
+                        let xb = _mm512_set1_epi32((row.add(8 * g + 4) as *const i32).read_unaligned());
+                        for jj in 0..NR {
+                            isum[ii][jj] = _mm512_dpbusd_epi32(isum[ii][jj], wa[jj], xa);
+                            if MR <= 2 {
+                                isum2[ii][jj] = _mm512_dpbusd_epi32(isum2[ii][jj], wb[jj], xb);
+                            } else {
+                                isum[ii][jj] = _mm512_dpbusd_epi32(isum[ii][jj], wb[jj], xb);
+                            }
+                        }
+                    }
+                }
+            }
+            if MR <= 2 {
+                for ii in 0..MR {
+                    for jj in 0..NR {
+                        isum[ii][jj] = _mm512_add_epi32(isum[ii][jj], isum2[ii][jj]);
+                    }
+                }
+            }
+            for jj in 0..NR {
+                let dw = _mm512_cvtph_ps(_mm256_loadu_si256(blk[jj].add(codes) as *const __m256i));
+                let mw = _mm512_cvtph_ps(_mm256_loadu_si256(blk[jj].add(codes + 32) as *const __m256i));
+                for ii in 0..MR {
+                    let dx = *a.d.get_unchecked((i0 + ii) * nb + b);
+                    let sx = *a.sum.get_unchecked((i0 + ii) * nb + b) as f32;
+                    let scale = _mm512_mul_ps(dw, _mm512_set1_ps(dx));
+                    acc[ii][jj] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[ii][jj]), scale, acc[ii][jj]);
+                    acc[ii][jj] = _mm512_fmadd_ps(mw, _mm512_set1_ps(dx * sx), acc[ii][jj]);
+                }
+            }
+        }
+        for (ii, row) in acc.iter().enumerate() {
+            for (jj, v) in row.iter().enumerate() {
+                let col = (p0 + jj) * PANEL;
+                let live = n.saturating_sub(col).min(PANEL);
+                let mask: __mmask16 = if live >= PANEL { 0xffff } else { ((1u32 << live) - 1) as __mmask16 };
+                _mm512_mask_storeu_ps(out.0.add((i0 + ii) * n + col), mask, *v);
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn panels<const NR: usize, const B4: bool>(a: &QuantActs, m: usize, w: &PackedQuant, p: usize, out: OutPtr) {
+        let mut i = 0;
+        while i + 4 <= m {
+            tile::<4, NR, B4>(a, w, i, p, out);
+            i += 4;
+        }
+        match m - i {
+            3 => tile::<3, NR, B4>(a, w, i, p, out),
+            2 => tile::<2, NR, B4>(a, w, i, p, out),
+            1 => tile::<1, NR, B4>(a, w, i, p, out),
+            _ => {}
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub unsafe fn block(a: &QuantActs, m: usize, w: &PackedQuant, p0: usize, p1: usize, out: OutPtr) {
+        let mut p = p0;
+        while p + 2 <= p1 {
+            if w.bits4 {
+                panels::<2, true>(a, m, w, p, out);
+            } else {
+                panels::<2, false>(a, m, w, p, out);
+            }
+            p += 2;
+        }
+        while p < p1 {
+            if w.bits4 {
+                panels::<1, true>(a, m, w, p, out);
+            } else {
+                panels::<1, false>(a, m, w, p, out);
+            }
+            p += 1;
+        }
+    }
+}
+
+/// candle op: `x [.., k] x w -> [.., n]` with any fast-path weight.
+pub struct CpuMatmul(pub std::sync::Arc<CpuWeight>);
+
+impl candle_core::CustomOp1 for CpuMatmul {
+    fn name(&self) -> &'static str {
+        "selfspec-cpu-matmul"
+    }
+    fn cpu_fwd(&self, s: &candle_core::CpuStorage, l: &candle_core::Layout) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        let data = match s {
+            candle_core::CpuStorage::F32(d) => d.as_slice(),
+            _ => candle_core::bail!("cpu-matmul: activations must be f32"),
+        };
+        let x = match l.contiguous_offsets() {
+            Some((a, b)) => &data[a..b],
+            None => candle_core::bail!("cpu-matmul: activations must be contiguous"),
+        };
+        let k = self.0.cols();
+        let xd = l.shape().dims();
+        if xd.last() != Some(&k) {
+            candle_core::bail!("cpu-matmul: x {:?} does not match weight [{}, {k}]", l.shape(), self.0.rows())
+        }
+        let out = self.0.matmul(x, x.len() / k);
+        let mut od = xd.to_vec();
+        *od.last_mut().unwrap() = self.0.rows();
+        Ok((candle_core::CpuStorage::F32(out), candle_core::Shape::from(od)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((s >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn reference(x: &[f32], m: usize, k: usize, w: &[f32], n: usize) -> Vec<f32> {
+        let mut out = vec![0f32; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                out[i * n + j] = (0..k).map(|t| x[i * k + t] as f64 * w[j * k + t] as f64).sum::<f64>() as f32;
+            }
+        }
+        out
+    }
+
+    fn q4_1_rows(w: &[f32], n: usize, k: usize) -> QuantRows {
+        QuantRows::quantize_q4_1(w, n, k).unwrap()
+    }
+
+    fn q4_0_rows(w: &[f32], n: usize, k: usize) -> QuantRows {
+        let mut bytes = Vec::new();
+        for block in w.chunks_exact(QK) {
+            // llama.cpp's rule: the value of largest magnitude maps to code 0 (d = max / -8).
+            let max = block.iter().cloned().fold(0f32, |a, v| if v.abs() > a.abs() { v } else { a });
+            let d = max / -8.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            bytes.extend_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
+            let q: Vec<u8> = block.iter().map(|&v| ((v * id + 8.5) as i32).clamp(0, 15) as u8).collect();
+            for i in 0..16 {
+                bytes.push(q[i] | (q[i + 16] << 4));
+            }
+        }
+        QuantRows::new(QuantKind::Q4_0, n, k, bytes).unwrap()
+    }
+
+    /// Each format against f32 arithmetic on its own dequantised weights, within the error of
+    /// quantizing the activations (8-bit per 32-value block: well under 2% of sum |x w|).
+    #[test]
+    fn formats_match_reference_and_are_batch_invariant() {
+        let (n, k) = (75, 96);
+        let w = rand_vec(n * k, 1);
+        let x = rand_vec(37 * k, 2);
+        let cases: Vec<(&str, CpuWeight, Vec<f32>, f32)> = vec![
+            ("f32", CpuWeight::F32(PackedWeight::pack(&w, n, k)), w.clone(), 1e-5),
+            ("f16", CpuWeight::F16(PackedF16::pack(&w, n, k)), w.iter().map(|&v| f16::from_f32(v).to_f32()).collect(), 1e-5),
+            {
+                let q = QuantRows::quantize_q8_0(&w, n, k).unwrap();
+                ("q8_0", CpuWeight::Quant(PackedQuant::pack(&q)), q.dequantize(), 0.02)
+            },
+            {
+                let q = q4_1_rows(&w, n, k);
+                ("q4_1", CpuWeight::Quant(PackedQuant::pack(&q)), q.dequantize(), 0.02)
+            },
+            {
+                let q = q4_0_rows(&w, n, k);
+                ("q4_0", CpuWeight::Quant(PackedQuant::pack(&q)), q.dequantize(), 0.02)
+            },
+        ];
+        for (name, cw, wd, tol) in cases {
+            // The weight itself is close to the original (sanity check of the packing).
+            let werr = w.iter().zip(&wd).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(werr < 0.13, "{name}: dequantised weight off by {werr}");
+            let all = cw.matmul(&x, 37);
+            let want = reference(&x, 37, k, &wd, n);
+            for i in 0..37 {
+                for j in 0..n {
+                    let mag: f32 = (0..k).map(|t| (x[i * k + t] * wd[j * k + t]).abs()).sum();
+                    let err = (all[i * n + j] - want[i * n + j]).abs();
+                    assert!(err <= tol * mag + 1e-6, "{name}: [{i},{j}] {} vs {} (|x||w| {mag})", all[i * n + j], want[i * n + j]);
+                }
+            }
+            for m in [1usize, 2, 3, 5, 8, 16] {
+                let part = cw.matmul(&x[..m * k], m);
+                assert_eq!(part, all[..m * n].to_vec(), "{name}: rows differ between m={m} and m=37");
+            }
+            let one = cw.matmul(&x[20 * k..21 * k], 1);
+            assert_eq!(one, all[20 * n..21 * n].to_vec(), "{name}: row 20 alone differs");
+        }
+    }
+
+    /// The portable kernels give the same bits as the SIMD ones, so results do not depend on
+    /// the machine's instruction set.
+    #[test]
+    fn portable_kernels_match_simd_bits() {
+        let (n, k) = (40, 64);
+        let w = rand_vec(n * k, 3);
+        let x = rand_vec(6 * k, 4);
+        let f = PackedF16::pack(&w, n, k);
+        let mut port = vec![0f32; 6 * n];
+        f16_block(&x, 6, &f, 0, n.div_ceil(PANEL), OutPtr(port.as_mut_ptr()));
+        assert_eq!(port, matmul_f16(&x, 6, &f));
+        for q in [QuantRows::quantize_q8_0(&w, n, k).unwrap(), q4_1_rows(&w, n, k)] {
+            let pq = PackedQuant::pack(&q);
+            let mut port = vec![0f32; 6 * n];
+            quant_block(&quantize_acts(&x, 6, k), 6, &pq, 0, n.div_ceil(PANEL), OutPtr(port.as_mut_ptr()));
+            assert_eq!(port, matmul_quant(&x, 6, &pq), "{:?}", q.kind);
+        }
+    }
+
+    #[test]
+    fn quant_rows_reject_bad_shapes_and_permute() {
+        assert!(QuantRows::new(QuantKind::Q8_0, 2, 33, vec![0; 68]).is_err());
+        assert!(QuantRows::new(QuantKind::Q4_1, 2, 32, vec![0; 39]).is_err());
+        assert!(QuantRows::quantize_q8_0(&[0.0; 40], 1, 40).is_err());
+        let w = rand_vec(3 * 32, 5);
+        let q = QuantRows::quantize_q8_0(&w, 3, 32).unwrap();
+        let p = q.permute_rows(&[2, 0, 1]).dequantize();
+        let d = q.dequantize();
+        assert_eq!(&p[..32], &d[64..]);
+        assert_eq!(&p[32..64], &d[..32]);
+        assert_eq!("Q8_0".parse::<WeightFormat>().unwrap(), WeightFormat::Q8_0);
+        assert!("q5".parse::<WeightFormat>().is_err());
+    }
+}

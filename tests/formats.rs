@@ -1,0 +1,128 @@
+//! Weight formats (`--weights f32|f16|q8_0|native`): each stays close to the f32 reference, each
+//! keeps tree verification bit-identical to sequential decoding, and greedy self-speculation in
+//! each format emits exactly what plain greedy decoding in that format emits.
+mod common;
+
+use std::path::PathBuf;
+
+use candle_core::quantized::GgmlDType;
+use candle_core::Device;
+use common::*;
+use selfspec::fixtures;
+use selfspec::generate::{generate_plain, StopRule};
+use selfspec::heads::Heads;
+use selfspec::loader::Target;
+use selfspec::quant::WeightFormat;
+use selfspec::sampling::{rng, SamplingParams};
+use selfspec::spec::{generate_spec, SpecOptions, TreeChoice};
+use selfspec::tree::Tree;
+use selfspec::verify::Rule;
+
+/// Tolerance on the largest logit difference from the f32 reference, relative to the largest
+/// |logit|: f16 rounds weights (2^-11 relative); q8_0 also quantizes activations per 32 values;
+/// native here is Q4_1 weights, whose error is the file's own, not the kernel's.
+fn tolerance(f: WeightFormat) -> f32 {
+    match f {
+        WeightFormat::F32 => 0.0,
+        WeightFormat::F16 => 0.005,
+        WeightFormat::Q8_0 => 0.03,
+        WeightFormat::Native => 0.03,
+    }
+}
+
+fn rel_diff(a: &[f32], reference: &[f32]) -> f32 {
+    let scale = reference.iter().fold(0f32, |m, x| m.max(x.abs()));
+    max_diff(a, reference) / scale
+}
+
+/// A tiny model stored as Q4_1, as the SmolLM2 GGUF is: native keeps those blocks; the f32
+/// reference is their exact dequantisation, so native differs only by activation rounding.
+#[test]
+fn every_format_matches_the_f32_reference_on_a_q4_1_gguf() {
+    let dir = scratch("formats-q41");
+    let cfg = fixtures::tiny_config();
+    let w = fixtures::random_weights(&cfg, 21).unwrap();
+    let path = dir.join("q41.gguf");
+    fixtures::write_gguf_as(&path, &cfg, &w, GgmlDType::Q4_1).unwrap();
+    let mut t = Target::load(&path, &Device::Cpu).unwrap();
+    let toks: Vec<u32> = (0..19).map(|i| (i * 29 + 3) % 260).collect();
+    let reference = last_logits(&t.model, &toks);
+    let f32_bytes = t.model.weight_bytes_per_forward();
+    for f in WeightFormat::ALL {
+        t.set_weights(f).unwrap();
+        assert_eq!(t.model.weight_format(), f);
+        let got = last_logits(&t.model, &toks);
+        let d = rel_diff(&got, &reference);
+        assert!(d <= tolerance(f), "{f}: logits differ from f32 by {d} of the largest logit");
+        let bytes = t.model.weight_bytes_per_forward();
+        match f {
+            WeightFormat::F32 => assert_eq!(got, reference),
+            // Q4_1 is 20 bytes per 32 values (+ panel padding): well under a quarter of f32.
+            WeightFormat::Native => assert!(bytes * 4 < f32_bytes, "native reads {bytes} bytes vs f32 {f32_bytes}"),
+            _ => assert!(bytes < f32_bytes),
+        }
+    }
+}
+
+#[test]
+fn tree_forward_is_bit_identical_to_sequential_in_every_format() {
+    let dir = scratch("formats-tree");
+    let cfg = fixtures::tiny_config();
+    let w = fixtures::random_weights(&cfg, 22).unwrap();
+    let path = dir.join("q41.gguf");
+    fixtures::write_gguf_as(&path, &cfg, &w, GgmlDType::Q4_1).unwrap();
+    let mut t = Target::load(&path, &Device::Cpu).unwrap();
+    let prompt: Vec<u32> = (0..10).map(|i| (i * 17 + 2) % 260).collect();
+    for f in WeightFormat::ALL {
+        t.set_weights(f).unwrap();
+        for seed in 1..3 {
+            check_tree_equivalence(&t.model, &prompt, 17, seed);
+        }
+    }
+}
+
+#[test]
+fn q8_0_and_q4_0_ggufs_load_natively() {
+    let dir = scratch("formats-q8");
+    let cfg = fixtures::tiny_config();
+    let w = fixtures::random_weights(&cfg, 23).unwrap();
+    for ty in [GgmlDType::Q8_0, GgmlDType::Q4_0] {
+        let path = dir.join(format!("{ty:?}.gguf"));
+        fixtures::write_gguf_as(&path, &cfg, &w, ty).unwrap();
+        let mut t = Target::load(&path, &Device::Cpu).unwrap();
+        let toks: Vec<u32> = (0..15).map(|i| (i * 31 + 7) % 260).collect();
+        let reference = last_logits(&t.model, &toks);
+        t.set_weights(WeightFormat::Native).unwrap();
+        let d = rel_diff(&last_logits(&t.model, &toks), &reference);
+        assert!(d <= 0.03, "{ty:?} native: logits differ by {d}");
+    }
+}
+
+#[test]
+fn smollm2_every_format_stays_close_and_greedy_speculation_stays_exact() {
+    let mut t = smollm2();
+    let heads = Heads::from_dir(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/heads/smollm2"), &t).unwrap();
+    let text = t.encode_prompt("Explain why the sky is blue in two sentences.", true).unwrap();
+    let reference = last_logits(&t.model, &text);
+    let prompts = selfspec::data::read_prompts(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/prompts/eval.jsonl")).unwrap();
+    let params = SamplingParams::greedy();
+    for f in [WeightFormat::F16, WeightFormat::Q8_0, WeightFormat::Native] {
+        t.set_weights(f).unwrap();
+        let got = last_logits(&t.model, &text);
+        let d = rel_diff(&got, &reference);
+        assert!(d <= tolerance(f) * 3.0, "{f}: SmolLM2 logits differ from f32 by {d} of the largest logit");
+        let mut forwards = 0;
+        let mut tokens = 0;
+        for item in prompts.iter().take(4) {
+            let ids = t.encode_prompt(&item.turns[0], true).unwrap();
+            let stop = StopRule { max_new_tokens: 64, eos_ids: &t.tokenizer.eos_ids };
+            let (plain, _) = generate_plain(&t.model, &ids, &params, &stop, &mut rng(0), &mut |_| Ok(())).unwrap();
+            let opts = SpecOptions { tree: TreeChoice::Static(Tree::cpu_default()), rule: Rule::Greedy, params: params.clone(), stop: StopRule { max_new_tokens: 64, eos_ids: &t.tokenizer.eos_ids } };
+            let (spec, stats) = generate_spec(&t.model, &heads, &ids, &opts, &mut rng(0), &mut |_| Ok(())).unwrap();
+            assert_eq!(spec, plain, "{f}: speculative output differs from plain greedy for {:?}", item.turns[0]);
+            forwards += stats.gen.target_forwards;
+            tokens += plain.len();
+        }
+        assert!(forwards < tokens, "{f}: speculation never accepted a drafted token");
+    }
+}
