@@ -55,6 +55,8 @@ pub struct Summary {
 #[derive(Debug, Clone, Serialize)]
 pub struct EvalReport {
     pub model: String,
+    /// The CPU weight format (`--weights`); speeds are only comparable within one format.
+    pub weights: String,
     pub heads: String,
     pub trees: Vec<String>,
     pub temperature: f32,
@@ -195,6 +197,7 @@ pub fn evaluate(target: &Target, heads: &Heads, prompts: &[PromptItem], opts: &m
     }
     Ok(EvalReport {
         model: target.path.display().to_string(),
+        weights: target.model.weight_format().to_string(),
         heads: String::new(),
         trees: opts.trees.iter().map(|t| t.0.clone()).collect(),
         temperature: opts.params.temperature,
@@ -233,7 +236,15 @@ pub fn mark_drafted(target: &Target, out: &[u32], drafted: &[bool]) -> Result<St
 /// Markdown report.
 pub fn to_markdown(r: &EvalReport) -> String {
     let mut m = String::new();
-    m.push_str(&format!("# selfspec eval\n\nmodel `{}`, heads `{}`, temperature {}, max {} new tokens, {} turns.\n\n", r.model, r.heads, r.temperature, r.max_tokens, r.turns.len()));
+    m.push_str(&format!(
+        "# selfspec eval\n\nmodel `{}` (weights {}), heads `{}`, temperature {}, max {} new tokens, {} turns.\n\n",
+        r.model,
+        r.weights,
+        r.heads,
+        r.temperature,
+        r.max_tokens,
+        r.turns.len()
+    ));
     m.push_str("τ = tokens emitted per target forward, the bonus token counted (plain decoding = 1.0). Speed-up = median self-speculative tok/s / median plain tok/s, measured alternately in this run.\n\n");
     m.push_str("| tree | mean nodes | τ | spec tok/s | plain tok/s | speed-up | identical to plain |\n|---|---|---|---|---|---|---|\n");
     for (name, s) in r.trees.iter().zip(&r.overall) {

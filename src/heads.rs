@@ -11,6 +11,7 @@ use candle_nn::{Module, VarBuilder, VarMap};
 use serde::{Deserialize, Serialize};
 
 use crate::loader::{Fingerprint, Target};
+use crate::quant::WeightFormat;
 use crate::{Error, Result};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -109,6 +110,17 @@ impl Heads {
         Ok(())
     }
 
+    /// Store the draft vocabulary's projection in `format` (native means Q8_0: the slice of a
+    /// quantized lm_head is requantised). Drafting reads it every step, so on a fast compact
+    /// target an f32 copy would cost a noticeable share of the step; drafts need not be exact.
+    pub fn set_draft_format(&mut self, format: WeightFormat) -> Result<()> {
+        let format = if format == WeightFormat::Native { WeightFormat::Q8_0 } else { format };
+        if let Some(p) = self.draft_proj.as_mut() {
+            p.set_format(format, None)?;
+        }
+        Ok(())
+    }
+
     /// Bind a loaded draft vocabulary to the target's lm_head rows.
     fn bind_draft_vocab(&mut self, target_lm_head: &Tensor) -> Result<()> {
         if let Some((ids, _)) = self.draft_vocab.take() {
@@ -204,7 +216,13 @@ impl Heads {
 
     /// Each head's top-`k` guesses as (token id, probability within the draft vocabulary).
     pub fn draft_top_k(&self, h: &Tensor, root: u32, target: &crate::model::Llama, k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
-        let rows = top_k_rows(&self.draft_logits(h, root, target)?, k)?;
+        // On a rayon worker, as the target's forward: the small parallel ops inside then start
+        // without waking a pool thread and parking this one.
+        let rows = if h.device().is_cpu() && rayon::current_thread_index().is_none() {
+            rayon::scope(|_| top_k_rows(&self.draft_logits(h, root, target)?, k))?
+        } else {
+            top_k_rows(&self.draft_logits(h, root, target)?, k)?
+        };
         Ok(match &self.draft_vocab {
             Some((ids, _)) => rows.into_iter().map(|r| r.into_iter().map(|(i, p)| (ids[i as usize], p)).collect()).collect(),
             None => rows,
@@ -296,6 +314,7 @@ impl Heads {
         let vb = VarBuilder::from_tensors(ts, DType::F32, target.model.device());
         let mut heads = Self::load(vb, &cfg).map_err(|e| Error::bad_file(&w_path, e.to_string()))?;
         heads.bind_draft_vocab(target.model.lm_head().weight()).map_err(|e| Error::bad_file(&w_path, e.to_string()))?;
+        heads.set_draft_format(target.model.weight_format())?;
         Ok(heads)
     }
 

@@ -233,11 +233,12 @@ fn load_gguf(path: &Path, mut f: std::fs::File, device: &Device) -> Result<Targe
             GgmlDType::Q8_0 => Some(QuantKind::Q8_0),
             GgmlDType::Q4_0 => Some(QuantKind::Q4_0),
             GgmlDType::Q4_1 => Some(QuantKind::Q4_1),
+            GgmlDType::Q4K => Some(QuantKind::Q4K),
             _ => None,
         };
         let dims = q.shape().dims().to_vec();
         let entry = match (kind, dims.as_slice()) {
-            (Some(kind), &[n, k]) if k % crate::quant::QK == 0 => {
+            (Some(kind), &[n, k]) if k % kind.block_values() == 0 => {
                 let rows = QuantRows::new(kind, n, k, q.data()?.into_owned()).map_err(|e| Error::bad_file(path, format!("tensor {name}: {e}")))?;
                 Some(NativeWeight::Blocks(match perm {
                     Some(p) => rows.permute_rows(p),

@@ -35,8 +35,8 @@ pub enum WeightFormat {
     F16,
     /// 8-bit blocks requantised from f32 (GGUF Q8_0 layout), int8 arithmetic.
     Q8_0,
-    /// Each tensor in the GGUF's own format where a kernel exists (F32, F16, Q8_0, Q4_0, Q4_1);
-    /// other GGUF types are requantised to Q8_0. Hugging Face models have no native quantization
+    /// Each tensor in the GGUF's own format where a kernel exists (F32, F16, Q8_0, Q4_0, Q4_1,
+    /// Q4_K); other GGUF types (Q5_*, Q6_K, ...) are requantised to Q8_0. Hugging Face models have no native quantization
     /// and use f32.
     Native,
 }
@@ -78,15 +78,28 @@ pub enum QuantKind {
     Q8_0,
     Q4_0,
     Q4_1,
+    /// 256-value super-blocks of eight 32-value sub-blocks with 6-bit scales and mins (the
+    /// format of the common Q4_K_M files). Each sub-block's scale d·sc and offset -dmin·m are
+    /// stored in f16 in the panels: within 2^-12 relative of the file's own, far below the
+    /// 4-bit rounding they scale.
+    Q4K,
 }
 
 impl QuantKind {
-    /// Bytes of one GGUF block of 32 values.
+    /// Values per GGUF block.
+    pub fn block_values(self) -> usize {
+        match self {
+            QuantKind::Q4K => 256,
+            _ => QK,
+        }
+    }
+    /// Bytes of one GGUF block.
     pub fn block_bytes(self) -> usize {
         match self {
             QuantKind::Q8_0 => 34,
             QuantKind::Q4_0 => 18,
             QuantKind::Q4_1 => 20,
+            QuantKind::Q4K => 144,
         }
     }
     pub fn name(self) -> &'static str {
@@ -94,7 +107,17 @@ impl QuantKind {
             QuantKind::Q8_0 => "q8_0",
             QuantKind::Q4_0 => "q4_0",
             QuantKind::Q4_1 => "q4_1",
+            QuantKind::Q4K => "q4_k",
         }
+    }
+}
+
+/// Q4_K's packed 6-bit scale and min of sub-block `j` (llama.cpp's `get_scale_min_k4`).
+fn q4k_scale_min(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        ((q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
     }
 }
 
@@ -109,10 +132,10 @@ pub struct QuantRows {
 
 impl QuantRows {
     pub fn new(kind: QuantKind, n: usize, k: usize, bytes: Vec<u8>) -> Result<Self> {
-        if k % QK != 0 {
-            return Err(Error::InvalidArgument(format!("{} rows of {k} values: not a multiple of {QK}", kind.name())));
+        if k % kind.block_values() != 0 {
+            return Err(Error::InvalidArgument(format!("{} rows of {k} values: not a multiple of {}", kind.name(), kind.block_values())));
         }
-        let want = n * k / QK * kind.block_bytes();
+        let want = n * k / kind.block_values() * kind.block_bytes();
         if bytes.len() != want {
             return Err(Error::InvalidArgument(format!("{} [{n}, {k}]: {} bytes, expected {want}", kind.name(), bytes.len())));
         }
@@ -158,7 +181,7 @@ impl QuantRows {
     }
 
     fn row_bytes(&self) -> usize {
-        self.k / QK * self.kind.block_bytes()
+        self.k / self.kind.block_values() * self.kind.block_bytes()
     }
 
     /// Rows reordered: output row `i` is input row `perm[i]` (for GGUF's permuted q/k rows).
@@ -174,20 +197,24 @@ impl QuantRows {
     /// The block `b` of row `j` as (scale, offset, 32 unsigned codes): value = d * code + m.
     /// Q8_0 codes are stored +128 so every format feeds the unsigned operand of `vpdpbusd`.
     fn block(&self, j: usize, b: usize) -> (f16, f16, [u8; QK]) {
-        let bb = self.kind.block_bytes();
-        let s = &self.bytes[j * self.row_bytes() + b * bb..][..bb];
-        let d = f16::from_bits(u16::from_le_bytes([s[0], s[1]]));
+        let row = &self.bytes[j * self.row_bytes()..(j + 1) * self.row_bytes()];
+        let half = |s: &[u8], at: usize| f16::from_bits(u16::from_le_bytes([s[at], s[at + 1]]));
         let mut q = [0u8; QK];
         match self.kind {
             QuantKind::Q8_0 => {
+                let s = &row[b * 34..(b + 1) * 34];
+                let d = half(s, 0);
                 for (i, q) in q.iter_mut().enumerate() {
                     *q = (s[2 + i] as i8 as i16 + 128) as u8;
                 }
                 (d, f16::from_f32(-128.0 * d.to_f32()), q)
             }
             QuantKind::Q4_0 | QuantKind::Q4_1 => {
+                let bb = self.kind.block_bytes();
+                let s = &row[b * bb..(b + 1) * bb];
+                let d = half(s, 0);
                 let (m, qs) = if self.kind == QuantKind::Q4_1 {
-                    (f16::from_bits(u16::from_le_bytes([s[2], s[3]])), &s[4..20])
+                    (half(s, 2), &s[4..20])
                 } else {
                     // Q4_0 is d * (q - 8): an offset of -8d, exact in f16 (a power-of-two scaling).
                     (f16::from_f32(-8.0 * d.to_f32()), &s[2..18])
@@ -197,6 +224,19 @@ impl QuantRows {
                     q[i + 16] = qs[i] >> 4;
                 }
                 (d, m, q)
+            }
+            QuantKind::Q4K => {
+                let s = &row[(b / 8) * 144..(b / 8 + 1) * 144];
+                let (d, dmin) = (half(s, 0).to_f32(), half(s, 2).to_f32());
+                let sub = b % 8;
+                let (sc, m) = q4k_scale_min(sub, &s[4..16]);
+                // Sub-blocks pair up on 32 bytes: even ones in the low nibbles, odd in the high.
+                let qs = &s[16 + 32 * (sub / 2)..][..32];
+                let shift = 4 * (sub % 2);
+                for (o, &byte) in q.iter_mut().zip(qs) {
+                    *o = (byte >> shift) & 0x0f;
+                }
+                (f16::from_f32(d * sc as f32), f16::from_f32(-dmin * m as f32), q)
             }
         }
     }

@@ -436,7 +436,23 @@ pub fn train(
     let mut order: Vec<usize> = (0..chunks.len()).collect();
     order.shuffle(&mut crate::sampling::rng(cfg.seed ^ 0x5eed));
     let n_val = ((chunks.len() as f64 * cfg.val_fraction).round() as usize).min(chunks.len().saturating_sub(1));
-    let (val_ids, train_ids) = order.split_at(n_val);
+    // Validation is held out by content: corpora are often oversampled by listing a file twice,
+    // and a copy of a validation chunk left in training would inflate the held-out accuracy.
+    let mut val_ids: Vec<usize> = Vec::with_capacity(n_val);
+    let mut val_content: std::collections::HashSet<&[u32]> = std::collections::HashSet::new();
+    for &i in &order {
+        if val_ids.len() == n_val {
+            break;
+        }
+        if val_content.insert(&chunks[i]) {
+            val_ids.push(i);
+        }
+    }
+    let train_ids: Vec<usize> = order.iter().copied().filter(|&i| !val_content.contains(chunks[i].as_slice())).collect();
+    if train_ids.is_empty() {
+        return Err(Error::InvalidArgument("no training chunk is left after holding out the validation chunks".into()));
+    }
+    let (val_ids, train_ids) = (&val_ids[..], &train_ids[..]);
     let t_hidden = Instant::now();
     let cache = cache_hidden.map(|d| HiddenCache::new(d, target)).transpose()?;
     let with_h = |ids: &[usize]| -> Result<Vec<(Vec<u32>, Tensor)>> {

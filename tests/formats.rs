@@ -82,32 +82,39 @@ fn tree_forward_is_bit_identical_to_sequential_in_every_format() {
 }
 
 #[test]
-fn q8_0_and_q4_0_ggufs_load_natively() {
+fn q8_0_q4_0_and_q4_k_ggufs_load_natively() {
     let dir = scratch("formats-q8");
-    let cfg = fixtures::tiny_config();
+    // Q4_K needs rows of 256 values.
+    let cfg = selfspec::model::Config { hidden_size: 256, intermediate_size: 512, head_dim: 64, ..fixtures::tiny_config() };
     let w = fixtures::random_weights(&cfg, 23).unwrap();
-    for ty in [GgmlDType::Q8_0, GgmlDType::Q4_0] {
+    for ty in [GgmlDType::Q8_0, GgmlDType::Q4_0, GgmlDType::Q4K] {
         let path = dir.join(format!("{ty:?}.gguf"));
         fixtures::write_gguf_as(&path, &cfg, &w, ty).unwrap();
         let mut t = Target::load(&path, &Device::Cpu).unwrap();
         let toks: Vec<u32> = (0..15).map(|i| (i * 31 + 7) % 260).collect();
         let reference = last_logits(&t.model, &toks);
+        let f32_bytes = t.model.weight_bytes_per_forward();
         t.set_weights(WeightFormat::Native).unwrap();
         let d = rel_diff(&last_logits(&t.model, &toks), &reference);
         assert!(d <= 0.03, "{ty:?} native: logits differ by {d}");
+        // Kept in its own blocks (a fallback to f32 or Q8_0 would read more).
+        let ratio = t.model.weight_bytes_per_forward() as f64 / f32_bytes as f64;
+        let most = if ty == GgmlDType::Q8_0 { 0.3 } else { 0.2 };
+        assert!(ratio < most, "{ty:?} native reads {ratio:.2} of f32's bytes");
     }
 }
 
 #[test]
 fn smollm2_every_format_stays_close_and_greedy_speculation_stays_exact() {
     let mut t = smollm2();
-    let heads = Heads::from_dir(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/heads/smollm2"), &t).unwrap();
     let text = t.encode_prompt("Explain why the sky is blue in two sentences.", true).unwrap();
     let reference = last_logits(&t.model, &text);
     let prompts = selfspec::data::read_prompts(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/prompts/eval.jsonl")).unwrap();
     let params = SamplingParams::greedy();
     for f in [WeightFormat::F16, WeightFormat::Q8_0, WeightFormat::Native] {
         t.set_weights(f).unwrap();
+        // Loaded after the switch, so its draft projection takes the target's format too.
+        let heads = Heads::from_dir(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/heads/smollm2"), &t).unwrap();
         let got = last_logits(&t.model, &text);
         let d = rel_diff(&got, &reference);
         assert!(d <= tolerance(f) * 3.0, "{f}: SmolLM2 logits differ from f32 by {d} of the largest logit");
