@@ -596,16 +596,17 @@ impl CustomOp3 for TreeAttention {
         let mask = &self.mask;
         let scale = self.scale;
         let isa = isa();
-        out.par_chunks_mut(d).enumerate().for_each_init(
+        // One task per (row, key/value head): the query heads sharing that K/V head (grouped-
+        // query attention) read each key and value row once between them.
+        out.par_chunks_mut(group * d).enumerate().for_each_init(
             || (Vec::<f32>::new(), Vec::<usize>::new()),
-            |(scores, keys), (row, o)| {
-                let (i, hh) = (row / h, row % h);
-                let kvh = hh / group;
-                let qv = &q[(i * h + hh) * d..(i * h + hh + 1) * d];
+            |(scores, keys), (task, o)| {
+                let (i, kvh) = (task / hkv, task % hkv);
+                let q0 = (i * h + kvh * group) * d;
                 keys.clear();
                 keys.extend(0..prefix);
                 keys.extend((0..t).filter(|&j| mask.sees(i, j)).map(|j| prefix + j));
-                let args = AttendRow { qv, k, v, keys, hkv, kvh, d, scale };
+                let args = AttendRow { q: &q[q0..q0 + group * d], k, v, keys, hkv, kvh, d, group, scale };
                 match isa {
                     #[cfg(target_arch = "x86_64")]
                     Isa::Avx512 => unsafe { attend_row_avx512(&args, scores, o) },
@@ -620,43 +621,83 @@ impl CustomOp3 for TreeAttention {
 }
 
 struct AttendRow<'a> {
-    qv: &'a [f32],
+    /// The `group` query vectors (`[group][d]`) that share K/V head `kvh`.
+    q: &'a [f32],
     k: &'a [f32],
     v: &'a [f32],
     keys: &'a [usize],
     hkv: usize,
     kvh: usize,
     d: usize,
+    group: usize,
     scale: f32,
 }
 
-/// One query row of one head: scores over `keys` in slot order, softmax, weighted sum of V.
+/// `e^x` for x <= 0 (softmax after subtracting the max), within ~2 ulp: Cody-Waite range
+/// reduction and a degree-6 polynomial, all fused multiply-adds in a fixed order, so it gives
+/// the same bits on every instruction-set path and vectorises (libm's expf is a call per value).
+#[inline(always)]
+fn exp_nonpositive(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const MAGIC: f32 = 12582912.0; // 1.5 * 2^23: adding it rounds to an integer
+    let x = x.max(-87.0);
+    let n = (x * LOG2E + MAGIC) - MAGIC;
+    let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, x));
+    let mut p = 1.987_569_1e-4f32;
+    p = p.mul_add(r, 1.398_199_9e-3);
+    p = p.mul_add(r, 8.333_452e-3);
+    p = p.mul_add(r, 4.166_579_6e-2);
+    p = p.mul_add(r, 1.666_666_5e-1);
+    p = p.mul_add(r, 5e-1);
+    let e = (r * r).mul_add(p, r) + 1.0;
+    e * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
+/// The query heads of one row that share a K/V head: scores over `keys` in slot order, softmax,
+/// weighted sum of V. Each head's arithmetic is the same whatever the number of rows or heads.
 #[inline(always)]
 fn attend_row(a: &AttendRow, scores: &mut Vec<f32>, o: &mut [f32]) {
-    let (d, hkv, kvh) = (a.d, a.hkv, a.kvh);
+    let (d, hkv, kvh, g) = (a.d, a.hkv, a.kvh, a.group);
+    let n = a.keys.len();
     scores.clear();
-    let mut max = f32::NEG_INFINITY;
-    for &j in a.keys {
+    scores.resize(g * n, 0.0);
+    for (jj, &j) in a.keys.iter().enumerate() {
         let kv = &a.k[(j * hkv + kvh) * d..(j * hkv + kvh + 1) * d];
-        let sc = dot_fixed(a.qv, kv) * a.scale;
-        max = max.max(sc);
-        scores.push(sc);
-    }
-    let mut sum = 0f32;
-    for sc in scores.iter_mut() {
-        *sc = (*sc - max).exp();
-        sum += *sc;
-    }
-    o.fill(0.0);
-    for (&j, &p) in a.keys.iter().zip(scores.iter()) {
-        let vv = &a.v[(j * hkv + kvh) * d..(j * hkv + kvh + 1) * d];
-        for (o, &x) in o.iter_mut().zip(vv) {
-            *o = p.mul_add(x, *o);
+        for hh in 0..g {
+            scores[hh * n + jj] = dot_fixed(&a.q[hh * d..(hh + 1) * d], kv) * a.scale;
         }
     }
-    let inv = 1.0 / sum;
-    for o in o.iter_mut() {
-        *o *= inv;
+    let mut inv = [0f32; 16];
+    let mut inv_big = Vec::new();
+    let inv: &mut [f32] = if g <= 16 { &mut inv[..g] } else { inv_big.resize(g, 0.0); &mut inv_big };
+    for hh in 0..g {
+        let row = &mut scores[hh * n..(hh + 1) * n];
+        let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        for sc in row.iter_mut() {
+            *sc = exp_nonpositive(*sc - max);
+        }
+        let mut sum = 0f32;
+        for &sc in row.iter() {
+            sum += sc;
+        }
+        inv[hh] = 1.0 / sum;
+    }
+    o.fill(0.0);
+    for (jj, &j) in a.keys.iter().enumerate() {
+        let vv = &a.v[(j * hkv + kvh) * d..(j * hkv + kvh + 1) * d];
+        for hh in 0..g {
+            let p = scores[hh * n + jj];
+            for (o, &x) in o[hh * d..(hh + 1) * d].iter_mut().zip(vv) {
+                *o = p.mul_add(x, *o);
+            }
+        }
+    }
+    for hh in 0..g {
+        for o in o[hh * d..(hh + 1) * d].iter_mut() {
+            *o *= inv[hh];
+        }
     }
 }
 
@@ -723,6 +764,22 @@ mod tests {
         let mut port = vec![0f32; 9 * n];
         packed_block(&x, 9, &pw, 0, n.div_ceil(PANEL), OutPtr(port.as_mut_ptr()));
         assert_eq!(port, full);
+    }
+
+    #[test]
+    fn exp_nonpositive_is_accurate() {
+        let mut worst = 0f64;
+        for i in 0..=200_000 {
+            let x = -(i as f32) * 1e-3 * (1.0 + (i % 7) as f32 * 0.01);
+            let got = exp_nonpositive(x) as f64;
+            let want = (x as f64).exp();
+            if want > 1e-30 {
+                worst = worst.max(((got - want) / want).abs());
+            }
+        }
+        assert!(worst < 5e-7, "relative error {worst}");
+        assert_eq!(exp_nonpositive(0.0), 1.0);
+        assert!(exp_nonpositive(-1000.0) >= 0.0 && exp_nonpositive(-1000.0) < 1e-37);
     }
 
     #[test]

@@ -79,11 +79,23 @@ fn bad_arguments() {
     expect_error(&["generate", "--model", m, "--prompt", "x", "--max-tokens", "0"], &["max-tokens"]);
     expect_error(&["generate", "--model", m, "--prompt", "x", "--temperature", "-1"], &["temperature"]);
     expect_error(&["generate", "--model", m, "--prompt", "x", "--device", "tpu"], &["unknown device", "tpu"]);
-    // And the happy path works on the same file: text on stdout, summary on stderr.
-    let (code, out, err) = run(&["generate", "--model", m, "--prompt", "the", "--max-tokens", "5"]);
+    // A bad --weights is caught by the argument parser (clap adds its own "--help" hint line).
+    let (code, _, err) = run(&["generate", "--model", m, "--prompt", "x", "--weights", "q5"]);
+    assert!(code != 0 && err.contains("unknown weight format 'q5'") && !err.contains("panicked"), "{err}");
+    // And the happy path works on the same file, in every weight format: text on stdout,
+    // summary on stderr.
+    for w in ["f32", "f16", "q8_0", "native"] {
+        let (code, out, err) = run(&["generate", "--model", m, "--prompt", "the", "--max-tokens", "5", "--weights", w]);
+        assert_eq!(code, 0, "{w}: {err}");
+        assert!(!out.is_empty(), "{w}");
+        assert!(err.contains("decode") && err.contains("tok/s"), "{w}: {err}");
+    }
+    // bench times every format by default.
+    let (code, out, err) = run(&["bench", "--model", m, "--context", "8", "--tokens", "1,2", "--reps", "1"]);
     assert_eq!(code, 0, "{err}");
-    assert!(!out.is_empty());
-    assert!(err.contains("decode") && err.contains("tok/s"), "{err}");
+    for w in ["f32", "f16", "q8_0", "native"] {
+        assert!(out.contains(&format!("weights {w}:")), "bench output lacks {w}: {out}");
+    }
 }
 
 #[test]
