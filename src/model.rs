@@ -135,6 +135,69 @@ impl Linear {
     }
 }
 
+/// Projections of the same input (q/k/v, gate/up) fused into one CPU kernel call: one weight
+/// stream and one parallel region instead of three or two. Each output column is computed
+/// exactly as in its own layer, so fusing changes no bits.
+#[derive(Clone)]
+struct Fused {
+    fast: Arc<CpuWeight>,
+    sizes: Vec<usize>,
+    bias: Option<Tensor>,
+}
+
+impl Fused {
+    /// `None` when the parts cannot share a kernel (off the CPU, or native blocks of different
+    /// kinds, as in Q4_K_M files that keep some tensors in Q6_K).
+    fn build(parts: &[&Linear], format: WeightFormat, native: &[Option<&QuantRows>]) -> Result<Option<Fused>> {
+        if parts.iter().any(|p| p.fast.is_none()) {
+            return Ok(None);
+        }
+        let weight = Tensor::cat(&parts.iter().map(|p| p.weight.clone()).collect::<Vec<_>>(), 0)?;
+        let blocks = if format == WeightFormat::Native {
+            let qs: Option<Vec<&QuantRows>> = native.iter().copied().collect();
+            match qs {
+                Some(qs) if qs.iter().all(|q| q.kind == qs[0].kind && q.k == qs[0].k) => Some(QuantRows::concat_rows(&qs)?),
+                Some(_) => return Ok(None),
+                // Native without blocks for every part means f32 (or mixed): keep them apart
+                // unless none has blocks.
+                None if native.iter().any(|q| q.is_some()) => return Ok(None),
+                None => None,
+            }
+        } else {
+            None
+        };
+        let mut l = Linear::new(weight, None);
+        l.set_format(format, blocks.as_ref())?;
+        let bias = if parts.iter().all(|p| p.bias.is_some()) {
+            Some(Tensor::cat(&parts.iter().map(|p| p.bias.clone().unwrap()).collect::<Vec<_>>(), 0)?)
+        } else if parts.iter().any(|p| p.bias.is_some()) {
+            return Ok(None);
+        } else {
+            None
+        };
+        Ok(l.fast.map(|fast| Fused { fast, sizes: parts.iter().map(|p| p.weight.dims()[0]).collect(), bias }))
+    }
+
+    fn applies(&self, x: &Tensor) -> Result<bool> {
+        Ok(x.device().is_cpu() && x.dtype() == DType::F32 && self.fast.prefers_kernel(x.dim(0)?))
+    }
+
+    /// `x [rows, in]` -> one `[rows, out_i]` tensor per fused part.
+    fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        let mut y = x.contiguous()?.apply_op1_no_bwd(&CpuMatmul(self.fast.clone()))?;
+        if let Some(b) = &self.bias {
+            y = y.broadcast_add(b)?;
+        }
+        let mut out = Vec::with_capacity(self.sizes.len());
+        let mut at = 0;
+        for &n in &self.sizes {
+            out.push(y.narrow(1, at, n)?);
+            at += n;
+        }
+        Ok(out)
+    }
+}
+
 /// How [`Llama::set_weights`] treats one tensor under [`WeightFormat::Native`].
 #[derive(Clone, Debug)]
 pub enum NativeWeight {
@@ -154,6 +217,7 @@ struct Attention {
     k: Linear,
     v: Linear,
     o: Linear,
+    qkv: Option<Fused>,
     num_heads: usize,
     num_kv_heads: usize,
     head_dim: usize,
@@ -163,6 +227,7 @@ struct Mlp {
     gate: Linear,
     up: Linear,
     down: Linear,
+    gate_up: Option<Fused>,
 }
 
 struct Block {
@@ -226,6 +291,7 @@ impl Llama {
                     k: Linear::load(d, nkv * hd, cfg.attention_bias, a.pp("k_proj"))?,
                     v: Linear::load(d, nkv * hd, cfg.attention_bias, a.pp("v_proj"))?,
                     o: Linear::load(nh * hd, d, false, a.pp("o_proj"))?,
+                    qkv: None,
                     num_heads: nh,
                     num_kv_heads: nkv,
                     head_dim: hd,
@@ -235,6 +301,7 @@ impl Llama {
                     gate: Linear::load(d, cfg.intermediate_size, false, f.pp("gate_proj"))?,
                     up: Linear::load(d, cfg.intermediate_size, false, f.pp("up_proj"))?,
                     down: Linear::load(cfg.intermediate_size, d, false, f.pp("down_proj"))?,
+                    gate_up: None,
                 },
             });
         }
@@ -245,38 +312,65 @@ impl Llama {
             Linear::load(d, cfg.vocab_size, false, vb.pp("lm_head"))?
         };
         let (cos, sin) = rope_tables(cfg, &device)?;
-        Ok(Llama { embed, blocks, norm, lm_head, cos, sin, cfg: cfg.clone(), device, format: WeightFormat::F32 })
+        let mut model = Llama { embed, blocks, norm, lm_head, cos, sin, cfg: cfg.clone(), device, format: WeightFormat::F32 };
+        // Fuse q/k/v and gate/up for the CPU kernel from the start.
+        model.set_weights(WeightFormat::F32, &NativeWeights::new())?;
+        Ok(model)
     }
 
     /// Switch every projection's CPU fast path to `format`. `native` (filled by the loader)
     /// says, per Hugging Face tensor name, what [`WeightFormat::Native`] keeps; tensors absent
     /// from it stay f32. Off the CPU this changes nothing: GPUs keep candle's f32 kernels.
     pub fn set_weights(&mut self, format: WeightFormat, native: &NativeWeights) -> Result<()> {
-        let mut layers: Vec<(String, &mut Linear)> = Vec::new();
-        for (i, b) in self.blocks.iter_mut().enumerate() {
-            let p = format!("model.layers.{i}.");
-            layers.push((format!("{p}self_attn.q_proj.weight"), &mut b.attn.q));
-            layers.push((format!("{p}self_attn.k_proj.weight"), &mut b.attn.k));
-            layers.push((format!("{p}self_attn.v_proj.weight"), &mut b.attn.v));
-            layers.push((format!("{p}self_attn.o_proj.weight"), &mut b.attn.o));
-            layers.push((format!("{p}mlp.gate_proj.weight"), &mut b.mlp.gate));
-            layers.push((format!("{p}mlp.up_proj.weight"), &mut b.mlp.up));
-            layers.push((format!("{p}mlp.down_proj.weight"), &mut b.mlp.down));
-        }
-        let head = if self.cfg.tie_embeddings { "model.embed_tokens.weight" } else { "lm_head.weight" };
-        layers.push((head.to_string(), &mut self.lm_head));
-        for (name, l) in layers {
-            let (fmt, q) = match format {
-                WeightFormat::Native => match native.get(&name) {
+        // What each tensor becomes: under native, its own blocks, or a stand-in format.
+        let resolve = |name: &str| -> (WeightFormat, Option<&QuantRows>) {
+            match format {
+                WeightFormat::Native => match native.get(name) {
                     Some(NativeWeight::Blocks(q)) => (WeightFormat::Native, Some(q)),
                     Some(NativeWeight::F16) => (WeightFormat::F16, None),
                     Some(NativeWeight::Requantize) => (WeightFormat::Q8_0, None),
                     None => (WeightFormat::F32, None),
                 },
                 f => (f, None),
-            };
-            l.set_format(fmt, q).map_err(|e| Error::InvalidArgument(format!("{name}: {e}")))?;
+            }
+        };
+        let set = |l: &mut Linear, name: &str| -> Result<()> {
+            let (f, q) = resolve(name);
+            l.set_format(f, q).map_err(|e| Error::InvalidArgument(format!("{name}: {e}")))
+        };
+        // Fuse when every part resolves to the same format (and block kind): then the parts'
+        // own fast copies are never used and are dropped.
+        let fuse = |parts: &mut [&mut Linear], names: &[String]| -> Result<Option<Fused>> {
+            let res: Vec<(WeightFormat, Option<&QuantRows>)> = names.iter().map(|n| resolve(n)).collect();
+            if res.iter().any(|r| r.0 != res[0].0) {
+                return Ok(None);
+            }
+            let qs: Vec<Option<&QuantRows>> = res.iter().map(|r| r.1).collect();
+            let fused = Fused::build(&parts.iter().map(|p| &**p).collect::<Vec<_>>(), res[0].0, &qs)?;
+            if fused.is_some() {
+                for p in parts.iter_mut() {
+                    p.fast = None;
+                }
+            }
+            Ok(fused)
+        };
+        for (i, b) in self.blocks.iter_mut().enumerate() {
+            let p = format!("model.layers.{i}.");
+            let n = |s: &str| format!("{p}{s}.weight");
+            let (qn, kn, vn) = (n("self_attn.q_proj"), n("self_attn.k_proj"), n("self_attn.v_proj"));
+            let (gn, un) = (n("mlp.gate_proj"), n("mlp.up_proj"));
+            set(&mut b.attn.q, &qn)?;
+            set(&mut b.attn.k, &kn)?;
+            set(&mut b.attn.v, &vn)?;
+            set(&mut b.attn.o, &n("self_attn.o_proj"))?;
+            set(&mut b.mlp.gate, &gn)?;
+            set(&mut b.mlp.up, &un)?;
+            set(&mut b.mlp.down, &n("mlp.down_proj"))?;
+            b.attn.qkv = fuse(&mut [&mut b.attn.q, &mut b.attn.k, &mut b.attn.v], &[qn, kn, vn])?;
+            b.mlp.gate_up = fuse(&mut [&mut b.mlp.gate, &mut b.mlp.up], &[gn, un])?;
         }
+        let head = if self.cfg.tie_embeddings { "model.embed_tokens.weight" } else { "lm_head.weight" };
+        set(&mut self.lm_head, head)?;
         self.format = format;
         Ok(())
     }
@@ -288,9 +382,16 @@ impl Llama {
     pub fn weight_bytes_per_forward(&self) -> usize {
         let mut total = self.lm_head.bytes_per_call();
         for b in &self.blocks {
-            for l in [&b.attn.q, &b.attn.k, &b.attn.v, &b.attn.o, &b.mlp.gate, &b.mlp.up, &b.mlp.down] {
-                total += l.bytes_per_call();
+            let fused = [&b.attn.qkv, &b.mlp.gate_up];
+            total += fused.iter().filter_map(|f| f.as_ref()).map(|f| f.fast.bytes()).sum::<usize>();
+            let mut parts = vec![&b.attn.o, &b.mlp.down];
+            if b.attn.qkv.is_none() {
+                parts.extend([&b.attn.q, &b.attn.k, &b.attn.v]);
             }
+            if b.mlp.gate_up.is_none() {
+                parts.extend([&b.mlp.gate, &b.mlp.up]);
+            }
+            total += parts.iter().map(|l| l.bytes_per_call()).sum::<usize>();
         }
         total
     }
@@ -355,9 +456,14 @@ impl Llama {
             let a = b.attn.forward(&h, &cos, &sin, &mask, prefix, cache, i)?;
             x = (x + a)?;
             let h = b.mlp_norm.forward(&x)?;
-            let g = b.mlp.gate.forward(&h)?;
-            let u = b.mlp.up.forward(&h)?;
-            let m = b.mlp.down.forward(&(candle_nn::ops::silu(&g)? * u)?)?;
+            let (g, u) = match &b.mlp.gate_up {
+                Some(f) if f.applies(&h)? => match <[Tensor; 2]>::try_from(f.forward(&h)?) {
+                    Ok([g, u]) => (g, u),
+                    Err(_) => return Err(Error::InvalidArgument("fused gate/up must have two parts".into())),
+                },
+                _ => (b.mlp.gate.forward(&h)?, b.mlp.up.forward(&h)?),
+            };
+            let m = b.mlp.down.forward(&(candle_nn::ops::silu(&g)? * u)?.contiguous()?)?;
             x = (x + m)?;
         }
         cache.append(t)?;
@@ -399,9 +505,16 @@ impl Attention {
     ) -> Result<Tensor> {
         let t = x.dim(0)?;
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let q = self.q.forward(x)?.reshape((1, t, nh, hd))?;
-        let k = self.k.forward(x)?.reshape((1, t, nkv, hd))?;
-        let v = self.v.forward(x)?.reshape((t, nkv, hd))?;
+        let (q, k, v) = match &self.qkv {
+            Some(f) if f.applies(x)? => match <[Tensor; 3]>::try_from(f.forward(x)?) {
+                Ok([q, k, v]) => (q.contiguous()?, k.contiguous()?, v.contiguous()?),
+                Err(_) => return Err(Error::InvalidArgument("fused q/k/v must have three parts".into())),
+            },
+            _ => (self.q.forward(x)?, self.k.forward(x)?, self.v.forward(x)?),
+        };
+        let q = q.reshape((1, t, nh, hd))?;
+        let k = k.reshape((1, t, nkv, hd))?;
+        let v = v.reshape((t, nkv, hd))?;
         let q = candle_nn::rotary_emb::rope_thd(&q, cos, sin)?.squeeze(0)?;
         let k = candle_nn::rotary_emb::rope_thd(&k, cos, sin)?.squeeze(0)?;
         let (k_all, v_all) = cache.write(layer, &k, &v)?;

@@ -184,6 +184,16 @@ impl QuantRows {
         self.k / self.kind.block_values() * self.kind.block_bytes()
     }
 
+    /// The rows of `parts` one after another (for fusing projections of the same input).
+    pub fn concat_rows(parts: &[&QuantRows]) -> Result<Self> {
+        let first = parts.first().ok_or_else(|| Error::InvalidArgument("nothing to concatenate".into()))?;
+        if let Some(p) = parts.iter().find(|p| p.kind != first.kind || p.k != first.k) {
+            return Err(Error::InvalidArgument(format!("cannot stack {} rows of {} with {} rows of {}", p.kind.name(), p.k, first.kind.name(), first.k)));
+        }
+        let bytes = parts.iter().flat_map(|p| p.bytes.iter().copied()).collect();
+        Ok(QuantRows { kind: first.kind, n: parts.iter().map(|p| p.n).sum(), k: first.k, bytes })
+    }
+
     /// Rows reordered: output row `i` is input row `perm[i]` (for GGUF's permuted q/k rows).
     pub fn permute_rows(&self, perm: &[usize]) -> Self {
         let rb = self.row_bytes();
@@ -929,6 +939,10 @@ mod tests {
         let d = q.dequantize();
         assert_eq!(&p[..32], &d[64..]);
         assert_eq!(&p[32..64], &d[..32]);
+        let both = QuantRows::concat_rows(&[&q, &q.permute_rows(&[2, 0, 1])]).unwrap();
+        assert_eq!(both.n, 6);
+        assert_eq!(both.dequantize(), [d.clone(), p.clone()].concat());
+        assert!(QuantRows::concat_rows(&[&q, &QuantRows::quantize_q4_1(&w, 3, 32).unwrap()]).is_err());
         assert_eq!("Q8_0".parse::<WeightFormat>().unwrap(), WeightFormat::Q8_0);
         assert!("q5".parse::<WeightFormat>().is_err());
     }
