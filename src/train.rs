@@ -380,6 +380,27 @@ fn batch_loss(heads: &Heads, lm: &Tensor, b: &Batch, decay: f64) -> Result<(Tens
     Ok((total.expect("at least one head"), acc))
 }
 
+/// Merge the two smallest neighbours or split the largest batch until there are `n` batches
+/// (`n` >= 1; every chunk stays in exactly one batch).
+pub fn fit_batches(mut batches: Vec<Vec<usize>>, n: usize) -> Vec<Vec<usize>> {
+    let n = n.max(1);
+    while batches.len() > n {
+        let last = batches.pop().unwrap_or_default();
+        if let Some(prev) = batches.last_mut() {
+            prev.extend(last);
+        }
+    }
+    while batches.len() < n {
+        let (i, big) = match batches.iter().enumerate().max_by_key(|(_, b)| b.len()) {
+            Some((i, b)) if b.len() >= 2 => (i, b.len()),
+            _ => break,
+        };
+        let tail = batches[i].split_off(big / 2);
+        batches.insert(i + 1, tail);
+    }
+    batches
+}
+
 /// Top-1/top-5 of each head against the target's own greedy token on held-out chunks.
 pub fn validate(heads: &Heads, target: &Target, chunks: &[(Vec<u32>, Tensor)]) -> Result<HeadAccuracy> {
     let k_heads = heads.num_heads();
@@ -466,7 +487,10 @@ pub fn train(
     log(format!("{} train chunks ({train_tokens} tokens), {} validation chunks ({val_tokens} tokens); hidden states in {hidden_secs:.0}s", train_set.len(), val_set.len()));
 
     // Batches: consecutive chunks of the epoch's permutation up to batch_tokens.
-    let batches_for_epoch = |epoch: usize| -> Vec<Vec<usize>> {
+    // Batches of about `batch_tokens` tokens over a per-epoch shuffle. Chunk lengths vary, so
+    // a shuffle can give one batch more or fewer than another; every epoch is fitted to the
+    // first epoch's count so steps map to (epoch, batch) the same way in every epoch.
+    let raw_batches = |epoch: usize| -> Vec<Vec<usize>> {
         let mut ids: Vec<usize> = (0..train_set.len()).collect();
         ids.shuffle(&mut crate::sampling::rng(cfg.seed.wrapping_add(1000 + epoch as u64)));
         let mut out = vec![];
@@ -485,7 +509,8 @@ pub fn train(
         }
         out
     };
-    let per_epoch = batches_for_epoch(0).len();
+    let per_epoch = raw_batches(0).len();
+    let batches_for_epoch = |epoch: usize| -> Vec<Vec<usize>> { fit_batches(raw_batches(epoch), per_epoch) };
     let total_steps = per_epoch * cfg.epochs;
 
     let device = target.model.device().clone();
@@ -616,4 +641,22 @@ fn save_checkpoint(out: &Path, opt: &AdamW, losses: &[f64], cfg: &TrainConfig) -
 /// Input paths of a run, for the recipe record.
 pub fn describe_inputs(paths: &[PathBuf]) -> Vec<String> {
     paths.iter().map(|p| p.display().to_string()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fit_batches_keeps_every_chunk_once() {
+        let b = vec![vec![0, 1], vec![2], vec![3, 4, 5], vec![6]];
+        for n in 1..9 {
+            let f = fit_batches(b.clone(), n);
+            let mut all: Vec<usize> = f.iter().flatten().copied().collect();
+            all.sort();
+            assert_eq!(all, (0..7).collect::<Vec<_>>());
+            assert_eq!(f.len(), n.min(7), "n = {n}");
+            assert!(f.iter().all(|x| !x.is_empty()));
+        }
+    }
 }
