@@ -133,3 +133,25 @@ fn smollm2_every_format_stays_close_and_greedy_speculation_stays_exact() {
         assert!(forwards < tokens, "{f}: speculation never accepted a drafted token");
     }
 }
+
+/// Drafting fuses every head's first block into one layer (stored in the target's format);
+/// its draft logits match the training-time path (`hidden` + projection).
+#[test]
+fn fused_drafting_matches_the_training_path() {
+    let mut t = smollm2();
+    let ids = t.encode_prompt("Name three colours.", true).unwrap();
+    for (f, tol) in [(WeightFormat::F32, 1e-4f32), (WeightFormat::Native, 0.05)] {
+        t.set_weights(f).unwrap();
+        let heads = Heads::from_dir(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/heads/smollm2"), &t).unwrap();
+        let mut cache = t.model.new_cache().unwrap();
+        let h = t.model.forward_causal(&ids, &mut cache).unwrap().narrow(0, ids.len() - 1, 1).unwrap();
+        let root = 42u32;
+        let fused: Vec<f32> = heads.draft_logits(&h, root, &t.model).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let e = t.model.embed(&[root]).unwrap();
+        let reference: Vec<f32> =
+            heads.train_logits(&h, Some(&e), t.model.lm_head().weight()).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(fused.len(), reference.len());
+        let d = rel_diff(&fused, &reference);
+        assert!(d <= tol, "{f}: fused draft logits differ by {d} of the largest");
+    }
+}
