@@ -438,29 +438,7 @@ pub fn matmul_packed(x: &[f32], m: usize, pw: &PackedWeight) -> Vec<f32> {
     out
 }
 
-/// candle op: `x [.., k] x packed w -> [.., n]`.
-pub struct PackedMatmul(pub std::sync::Arc<PackedWeight>);
-
-impl candle_core::CustomOp1 for PackedMatmul {
-    fn name(&self) -> &'static str {
-        "selfspec-packed-matmul"
-    }
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let x = contiguous(s, l, "packed-matmul x")?;
-        let k = self.0.k;
-        let xd = l.shape().dims();
-        if xd.last() != Some(&k) {
-            candle_core::bail!("packed-matmul: x {:?} does not match weight [{}, {k}]", l.shape(), self.0.n)
-        }
-        let m = x.len() / k;
-        let out = matmul_packed(x, m, &self.0);
-        let mut od = xd.to_vec();
-        *od.last_mut().unwrap() = self.0.n;
-        Ok((CpuStorage::F32(out), Shape::from(od)))
-    }
-}
-
-fn contiguous<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a [f32]> {
+pub(crate) fn contiguous<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a [f32]> {
     let data = match s {
         CpuStorage::F32(d) => d.as_slice(),
         _ => candle_core::bail!("{what}: batch-invariant kernels take f32"),

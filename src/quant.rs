@@ -800,14 +800,7 @@ impl candle_core::CustomOp1 for CpuMatmul {
         "selfspec-cpu-matmul"
     }
     fn cpu_fwd(&self, s: &candle_core::CpuStorage, l: &candle_core::Layout) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        let data = match s {
-            candle_core::CpuStorage::F32(d) => d.as_slice(),
-            _ => candle_core::bail!("cpu-matmul: activations must be f32"),
-        };
-        let x = match l.contiguous_offsets() {
-            Some((a, b)) => &data[a..b],
-            None => candle_core::bail!("cpu-matmul: activations must be contiguous"),
-        };
+        let x = crate::kernels::contiguous(s, l, "cpu-matmul x")?;
         let k = self.0.cols();
         let xd = l.shape().dims();
         if xd.last() != Some(&k) {
