@@ -168,12 +168,11 @@ impl Fused {
         };
         let mut l = Linear::new(weight, None);
         l.set_format(format, blocks.as_ref())?;
-        let bias = if parts.iter().all(|p| p.bias.is_some()) {
-            Some(Tensor::cat(&parts.iter().map(|p| p.bias.clone().unwrap()).collect::<Vec<_>>(), 0)?)
-        } else if parts.iter().any(|p| p.bias.is_some()) {
-            return Ok(None);
-        } else {
-            None
+        let bias = match parts.iter().map(|p| p.bias.clone()).collect::<Option<Vec<_>>>() {
+            Some(bs) => Some(Tensor::cat(&bs, 0)?),
+            // Some parts with a bias and some without: keep them apart.
+            None if parts.iter().any(|p| p.bias.is_some()) => return Ok(None),
+            None => None,
         };
         Ok(l.fast.map(|fast| Fused { fast, sizes: parts.iter().map(|p| p.weight.dims()[0]).collect(), bias }))
     }
