@@ -435,7 +435,9 @@ impl Heads {
             recipe: serde_json::json!({"imported_from": dir.display().to_string()}),
         };
         let vb = VarBuilder::from_tensors(renamed, DType::F32, target.model.device());
-        Self::load(vb, &cfg)
+        let mut heads = Self::load(vb, &cfg)?;
+        heads.set_draft_format(target.model.weight_format())?;
+        Ok(heads)
     }
 }
 

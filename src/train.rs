@@ -605,6 +605,10 @@ pub fn train(
         train_secs,
         train_tokens_per_sec: tokens_seen as f64 / train_secs.max(1e-9),
     };
+    // Trained: now build the inference copies for drafting (they would go stale if built
+    // while the weights were still changing).
+    let mut heads = heads;
+    heads.set_draft_format(target.model.weight_format())?;
     Ok((heads, report))
 }
 

@@ -7,9 +7,15 @@ use common::*;
 use selfspec::heads::Heads;
 use selfspec::train::{train, LossKind, TrainConfig};
 
+/// Repetitive (so heads can learn it) but with every document, and so every chunk, different:
+/// validation chunks are held out by content.
 fn corpus() -> Vec<String> {
-    let base = "the cat sat on the mat. the dog ran in the sun. then the cat ran after the dog. ";
-    (0..12).map(|i| format!("{} {}", base.repeat(3), "the end ".repeat(i % 3 + 1))).collect()
+    (0..12)
+        .map(|i| {
+            let base = format!("the cat {i} sat on the mat. the dog ran in the sun. then the cat ran after the dog. ");
+            format!("{} {}", base.repeat(3), "the end ".repeat(i % 3 + 1))
+        })
+        .collect()
 }
 
 fn quick_cfg() -> TrainConfig {
@@ -162,4 +168,15 @@ fn corpus_errors_are_clear() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && err.contains(needle) && !err.contains("panicked"), "{err}");
     }
+}
+
+/// Validation is held out by content: a corpus listed twice (oversampling) must not train on a
+/// copy of a validation chunk, so a corpus of one repeated document leaves nothing to train on.
+#[test]
+fn validation_chunks_are_held_out_by_content() {
+    let (_, t) = tiny_gguf("train-holdout", 26);
+    let cfg = TrainConfig { epochs: 1, ..quick_cfg() };
+    let same = vec!["the cat sat on the mat and the dog ran in the sun all day long. ".repeat(4); 10];
+    let e = train(&t, &same, &cfg, &scratch("holdout-same"), false, None, &mut |_, _, _, _, _| {}, &mut |_| {}).err().expect("must refuse");
+    assert!(e.to_string().contains("no training chunk is left"), "{e}");
 }
