@@ -132,7 +132,7 @@ pub struct QuantRows {
 
 impl QuantRows {
     pub fn new(kind: QuantKind, n: usize, k: usize, bytes: Vec<u8>) -> Result<Self> {
-        if k % kind.block_values() != 0 {
+        if !k.is_multiple_of(kind.block_values()) {
             return Err(Error::InvalidArgument(format!("{} rows of {k} values: not a multiple of {}", kind.name(), kind.block_values())));
         }
         let want = n * k / kind.block_values() * kind.block_bytes();
@@ -144,7 +144,7 @@ impl QuantRows {
 
     /// Quantize f32 rows to Q8_0 the way llama.cpp does (scale = max|x| / 127, round half away).
     pub fn quantize_q8_0(w: &[f32], n: usize, k: usize) -> Result<Self> {
-        if k % QK != 0 || w.len() != n * k {
+        if !k.is_multiple_of(QK) || w.len() != n * k {
             return Err(Error::InvalidArgument(format!("cannot quantize [{n}, {k}] ({} values) to q8_0 blocks of {QK}", w.len())));
         }
         let mut bytes = Vec::with_capacity(n * k / QK * 34);
@@ -161,7 +161,7 @@ impl QuantRows {
     /// Quantize f32 rows to Q4_1 (per block: offset = min, scale = (max - min) / 15), the
     /// format of the SmolLM2 GGUF; for benchmarks and tests of the 4-bit kernel.
     pub fn quantize_q4_1(w: &[f32], n: usize, k: usize) -> Result<Self> {
-        if k % QK != 0 || w.len() != n * k {
+        if !k.is_multiple_of(QK) || w.len() != n * k {
             return Err(Error::InvalidArgument(format!("cannot quantize [{n}, {k}] ({} values) to q4_1 blocks of {QK}", w.len())));
         }
         let mut bytes = Vec::with_capacity(n * k / QK * 20);
@@ -437,7 +437,6 @@ fn matmul_f16(x: &[f32], m: usize, w: &PackedF16) -> Vec<f32> {
     let ptr = OutPtr(out.as_mut_ptr());
     let use_avx512 = matches!(isa(), Isa::Avx512);
     for_each_panel_range(w.n.div_ceil(PANEL), 4, |p0, p1| {
-        let ptr = ptr;
         #[cfg(target_arch = "x86_64")]
         if use_avx512 {
             unsafe { avx512_f16::block(x, m, w, p0, p1, ptr) };
@@ -581,7 +580,6 @@ fn matmul_quant(x: &[f32], m: usize, w: &PackedQuant) -> Vec<f32> {
     let ptr = OutPtr(out.as_mut_ptr());
     let vnni = vnni();
     for_each_panel_range(w.n.div_ceil(PANEL), 2, |p0, p1| {
-        let ptr = ptr;
         #[cfg(target_arch = "x86_64")]
         if vnni {
             unsafe { avx512_quant::block(&acts, m, w, p0, p1, ptr) };
