@@ -343,19 +343,40 @@ fn packed_block(x: &[f32], m: usize, pw: &PackedWeight, p0: usize, p1: usize, ou
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx512_packed {
+pub(crate) mod avx512_packed {
     use super::{OutPtr, PackedWeight, PANEL};
     use std::arch::x86_64::*;
 
+    /// A panel element type: 16 of them load as 16 f32 lanes (f32 as is, f16 converted), so
+    /// one kernel serves both formats.
+    pub(crate) trait PanelElem: Copy {
+        /// # Safety
+        /// `p` must point at 16 readable elements, on a CPU with AVX-512F.
+        unsafe fn load16(p: *const Self) -> __m512;
+    }
+    impl PanelElem for f32 {
+        #[inline(always)]
+        unsafe fn load16(p: *const f32) -> __m512 {
+            _mm512_loadu_ps(p)
+        }
+    }
+    /// f16 bits.
+    impl PanelElem for u16 {
+        #[inline(always)]
+        unsafe fn load16(p: *const u16) -> __m512 {
+            _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+        }
+    }
+
     /// `MR` activation rows x `NR` panels (16 columns each).
     #[inline(always)]
-    unsafe fn tile<const MR: usize, const NR: usize>(x: *const f32, k: usize, w: *const f32, i0: usize, p0: usize, n: usize, out: OutPtr) {
+    unsafe fn tile<E: PanelElem, const MR: usize, const NR: usize>(x: *const f32, k: usize, w: *const E, i0: usize, p0: usize, n: usize, out: OutPtr) {
         let mut acc = [[_mm512_setzero_ps(); NR]; MR];
         let panel_len = k * PANEL;
         for kk in 0..k {
             let mut wv = [_mm512_setzero_ps(); NR];
             for (jj, wv) in wv.iter_mut().enumerate() {
-                *wv = _mm512_loadu_ps(w.add((p0 + jj) * panel_len + kk * PANEL));
+                *wv = E::load16(w.add((p0 + jj) * panel_len + kk * PANEL));
             }
             for (ii, row) in acc.iter_mut().enumerate() {
                 let xb = _mm512_set1_ps(*x.add((i0 + ii) * k + kk));
@@ -375,33 +396,42 @@ mod avx512_packed {
     }
 
     #[inline(always)]
-    unsafe fn panels<const NR: usize>(x: *const f32, m: usize, k: usize, w: *const f32, p: usize, n: usize, out: OutPtr) {
+    unsafe fn panels<E: PanelElem, const NR: usize>(x: *const f32, m: usize, k: usize, w: *const E, p: usize, n: usize, out: OutPtr) {
         let mut i = 0;
         while i + 4 <= m {
-            tile::<4, NR>(x, k, w, i, p, n, out);
+            tile::<E, 4, NR>(x, k, w, i, p, n, out);
             i += 4;
         }
         match m - i {
-            3 => tile::<3, NR>(x, k, w, i, p, n, out),
-            2 => tile::<2, NR>(x, k, w, i, p, n, out),
-            1 => tile::<1, NR>(x, k, w, i, p, n, out),
+            3 => tile::<E, 3, NR>(x, k, w, i, p, n, out),
+            2 => tile::<E, 2, NR>(x, k, w, i, p, n, out),
+            1 => tile::<E, 1, NR>(x, k, w, i, p, n, out),
             _ => {}
+        }
+    }
+
+    /// Panels `p0..p1` of a `[n, k]` weight stored as `[panel][k][16]` elements at `w`.
+    ///
+    /// # Safety
+    /// AVX-512F must be present; `w` must hold `ceil(n/16) * k * 16` elements and `x` `m * k`.
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn block_of<E: PanelElem>(x: &[f32], m: usize, k: usize, n: usize, w: *const E, p0: usize, p1: usize, out: OutPtr) {
+        let xp = x.as_ptr();
+        let mut p = p0;
+        while p + 4 <= p1 {
+            panels::<E, 4>(xp, m, k, w, p, n, out);
+            p += 4;
+        }
+        while p < p1 {
+            panels::<E, 1>(xp, m, k, w, p, n, out);
+            p += 1;
         }
     }
 
     #[target_feature(enable = "avx512f")]
     pub unsafe fn block(x: &[f32], m: usize, pw: &PackedWeight, p0: usize, p1: usize, out: OutPtr) {
-        let (xp, wp) = (x.as_ptr(), pw.data.as_ptr());
-        let (k, n) = (pw.k, pw.n);
-        let mut p = p0;
-        while p + 4 <= p1 {
-            panels::<4>(xp, m, k, wp, p, n, out);
-            p += 4;
-        }
-        while p < p1 {
-            panels::<1>(xp, m, k, wp, p, n, out);
-            p += 1;
-        }
+        block_of(x, m, pw.k, pw.n, pw.data.as_ptr(), p0, p1, out)
     }
 }
 

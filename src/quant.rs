@@ -439,7 +439,7 @@ fn matmul_f16(x: &[f32], m: usize, w: &PackedF16) -> Vec<f32> {
     for_each_panel_range(w.n.div_ceil(PANEL), 4, |p0, p1| {
         #[cfg(target_arch = "x86_64")]
         if use_avx512 {
-            unsafe { avx512_f16::block(x, m, w, p0, p1, ptr) };
+            unsafe { crate::kernels::avx512_packed::block_of(x, m, w.k, w.n, w.data.as_ptr(), p0, p1, ptr) };
             return;
         }
         let _ = use_avx512;
@@ -467,67 +467,6 @@ fn f16_block(x: &[f32], m: usize, w: &PackedF16, p0: usize, p1: usize, out: OutP
                     unsafe { *out.0.add(i * n + j) = *a };
                 }
             }
-        }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-mod avx512_f16 {
-    use super::{OutPtr, PackedF16, PANEL};
-    use std::arch::x86_64::*;
-
-    #[inline(always)]
-    unsafe fn tile<const MR: usize, const NR: usize>(x: *const f32, k: usize, w: *const u16, i0: usize, p0: usize, n: usize, out: OutPtr) {
-        let mut acc = [[_mm512_setzero_ps(); NR]; MR];
-        let panel_len = k * PANEL;
-        for kk in 0..k {
-            let mut wv = [_mm512_setzero_ps(); NR];
-            for (jj, wv) in wv.iter_mut().enumerate() {
-                *wv = _mm512_cvtph_ps(_mm256_loadu_si256(w.add((p0 + jj) * panel_len + kk * PANEL) as *const __m256i));
-            }
-            for (ii, row) in acc.iter_mut().enumerate() {
-                let xb = _mm512_set1_ps(*x.add((i0 + ii) * k + kk));
-                for jj in 0..NR {
-                    row[jj] = _mm512_fmadd_ps(xb, wv[jj], row[jj]);
-                }
-            }
-        }
-        for (ii, row) in acc.iter().enumerate() {
-            for (jj, a) in row.iter().enumerate() {
-                let col = (p0 + jj) * PANEL;
-                let live = n.saturating_sub(col).min(PANEL);
-                let mask: __mmask16 = if live >= PANEL { 0xffff } else { ((1u32 << live) - 1) as __mmask16 };
-                _mm512_mask_storeu_ps(out.0.add((i0 + ii) * n + col), mask, *a);
-            }
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn panels<const NR: usize>(x: *const f32, m: usize, k: usize, w: *const u16, p: usize, n: usize, out: OutPtr) {
-        let mut i = 0;
-        while i + 4 <= m {
-            tile::<4, NR>(x, k, w, i, p, n, out);
-            i += 4;
-        }
-        match m - i {
-            3 => tile::<3, NR>(x, k, w, i, p, n, out),
-            2 => tile::<2, NR>(x, k, w, i, p, n, out),
-            1 => tile::<1, NR>(x, k, w, i, p, n, out),
-            _ => {}
-        }
-    }
-
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn block(x: &[f32], m: usize, w: &PackedF16, p0: usize, p1: usize, out: OutPtr) {
-        let (xp, wp) = (x.as_ptr(), w.data.as_ptr());
-        let mut p = p0;
-        while p + 4 <= p1 {
-            panels::<4>(xp, m, w.k, wp, p, w.n, out);
-            p += 4;
-        }
-        while p < p1 {
-            panels::<1>(xp, m, w.k, wp, p, w.n, out);
-            p += 1;
         }
     }
 }
