@@ -385,6 +385,13 @@ pub(crate) mod avx512_packed {
                 }
             }
         }
+        store_tile(&acc, i0, p0, n, out);
+    }
+
+    /// Write an `MR` rows x `NR` panels tile of outputs, masking the columns past `n` in the
+    /// last panel. Shared by the f32/f16 and the integer kernels.
+    #[inline(always)]
+    pub(crate) unsafe fn store_tile<const MR: usize, const NR: usize>(acc: &[[__m512; NR]; MR], i0: usize, p0: usize, n: usize, out: OutPtr) {
         for (ii, row) in acc.iter().enumerate() {
             for (jj, a) in row.iter().enumerate() {
                 let col = (p0 + jj) * PANEL;

@@ -591,7 +591,7 @@ fn quant_block(a: &QuantActs, m: usize, w: &PackedQuant, p0: usize, p1: usize, o
 
 #[cfg(target_arch = "x86_64")]
 mod avx512_quant {
-    use super::{OutPtr, PackedQuant, QuantActs, PANEL, QK};
+    use super::{OutPtr, PackedQuant, QuantActs, QK};
     use std::arch::x86_64::*;
 
     /// `MR` rows x `NR` panels; 8-bit or 4-bit codes.
@@ -682,14 +682,7 @@ mod avx512_quant {
                 }
             }
         }
-        for (ii, row) in acc.iter().enumerate() {
-            for (jj, v) in row.iter().enumerate() {
-                let col = (p0 + jj) * PANEL;
-                let live = n.saturating_sub(col).min(PANEL);
-                let mask: __mmask16 = if live >= PANEL { 0xffff } else { ((1u32 << live) - 1) as __mmask16 };
-                _mm512_mask_storeu_ps(out.0.add((i0 + ii) * n + col), mask, *v);
-            }
-        }
+        crate::kernels::avx512_packed::store_tile(&acc, i0, p0, n, out);
     }
 
     #[inline(always)]
