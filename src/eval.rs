@@ -2,14 +2,12 @@
 //! speed-up against plain decoding measured in the same run; and `tune`, which picks the tree
 //! that maximises expected speed-up on this device from measured head accuracies and forward costs.
 use std::collections::BTreeMap;
-use std::time::Instant;
 
-use candle_core::{Tensor, D};
 use serde::Serialize;
 
 use crate::data::PromptItem;
 use crate::generate::{generate_plain, StopRule};
-use crate::heads::Heads;
+use crate::drafter::Drafter;
 use crate::loader::Target;
 use crate::sampling::{rng, SamplingParams};
 use crate::spec::{generate_spec, SpecOptions, SpecStats, TreeChoice};
@@ -58,6 +56,8 @@ pub struct EvalReport {
     /// The CPU weight format (`--weights`); speeds are only comparable within one format.
     pub weights: String,
     pub heads: String,
+    /// "heads" or "draft layer".
+    pub drafter: String,
     pub trees: Vec<String>,
     pub temperature: f32,
     pub max_tokens: usize,
@@ -136,7 +136,7 @@ pub struct EvalOptions<'a> {
 
 /// Run every prompt (each turn following the model's own previous answer) with plain decoding
 /// and with each tree, alternating, after one warm-up generation.
-pub fn evaluate(target: &Target, heads: &Heads, prompts: &[PromptItem], opts: &mut EvalOptions) -> Result<EvalReport> {
+pub fn evaluate(target: &Target, drafter: &Drafter, prompts: &[PromptItem], opts: &mut EvalOptions) -> Result<EvalReport> {
     let eos = target.tokenizer.eos_ids.clone();
     let rule = Rule::for_params(&opts.params, false);
     let greedy = opts.params.is_greedy();
@@ -162,7 +162,7 @@ pub fn evaluate(target: &Target, heads: &Heads, prompts: &[PromptItem], opts: &m
             let mut identical = Vec::new();
             for (j, (_, tree)) in opts.trees.iter().enumerate() {
                 let so = SpecOptions { tree: tree.clone(), rule, params: opts.params.clone(), stop: StopRule { max_new_tokens: opts.max_tokens, eos_ids: &eos } };
-                let (out, st) = generate_spec(&target.model, heads, &ids, &so, &mut rng(seed), &mut |_| Ok(()))?;
+                let (out, st) = generate_spec(&target.model, drafter, &ids, &so, &mut rng(seed), &mut |_| Ok(()))?;
                 identical.push(if greedy { Some(out == plain_out) } else { None });
                 if pi == 0 && ti == 0 && j == 0 {
                     sample = (target.tokenizer.decode(&out)?, mark_drafted(target, &out, &st.drafted)?);
@@ -199,6 +199,7 @@ pub fn evaluate(target: &Target, heads: &Heads, prompts: &[PromptItem], opts: &m
         model: target.path.display().to_string(),
         weights: target.model.weight_format().to_string(),
         heads: String::new(),
+        drafter: drafter.kind().to_string(),
         trees: opts.trees.iter().map(|t| t.0.clone()).collect(),
         temperature: opts.params.temperature,
         max_tokens: opts.max_tokens,
@@ -237,9 +238,10 @@ pub fn mark_drafted(target: &Target, out: &[u32], drafted: &[bool]) -> Result<St
 pub fn to_markdown(r: &EvalReport) -> String {
     let mut m = String::new();
     m.push_str(&format!(
-        "# selfspec eval\n\nmodel `{}` (weights {}), heads `{}`, temperature {}, max {} new tokens, {} turns.\n\n",
+        "# selfspec eval\n\nmodel `{}` (weights {}), {} `{}`, temperature {}, max {} new tokens, {} turns.\n\n",
         r.model,
         r.weights,
+        r.drafter,
         r.heads,
         r.temperature,
         r.max_tokens,
@@ -264,9 +266,9 @@ pub fn to_markdown(r: &EvalReport) -> String {
         m.push_str(&format!("| {} | {} | {:.2} | {:.2}x |\n", c, v[0].turns, v[0].tau, v[0].speedup));
     }
     if let Some(s) = r.overall.first() {
-        m.push_str("\n## Heads (first tree): accuracy against the target's own tokens\n\n| head | top-1 | top-5 |\n|---|---|---|\n");
+        m.push_str("\n## Drafting (first tree): accuracy of the guesses made from the root against the target's own tokens\n\nLevel k guesses the token k places past the root (heads: head k-1; a draft layer reports level 1, the only one it guesses from the root alone).\n\n| level | top-1 | top-5 |\n|---|---|---|\n");
         for (k, (a, b)) in s.head_top1.iter().zip(&s.head_top5).enumerate() {
-            m.push_str(&format!("| {k} | {a:.3} | {b:.3} |\n"));
+            m.push_str(&format!("| {} | {a:.3} | {b:.3} |\n", k + 1));
         }
         m.push_str("\n## Drafted tokens accepted per step (first tree)\n\n| accepted | steps |\n|---|---|\n");
         for (i, c) in s.accept_hist.iter().enumerate() {
@@ -309,20 +311,20 @@ pub fn to_svg(r: &EvalReport) -> String {
     chart(&mut svg, 20.0, &format!("drafted tokens accepted per step (τ = {:.2}, bonus counted)", s.tau), &hist, hmax);
     let mut acc: Vec<(String, f64, &str)> = Vec::new();
     for (k, (a, b)) in s.head_top1.iter().zip(&s.head_top5).enumerate() {
-        acc.push((format!("h{k} top1"), *a, "#228833"));
+        acc.push((format!("L{} top1", k + 1), *a, "#228833"));
         acc.push((format!("top5"), *b, "#88cc88"));
     }
-    chart(&mut svg, 400.0, "per-head accuracy vs the target's tokens", &acc, 1.0);
+    chart(&mut svg, 400.0, "drafting accuracy per level vs the target's tokens", &acc, 1.0);
     svg.push_str("</svg>\n");
     svg
 }
 
-/// acc[k][r]: how often head k's rank-r guess equals the target's own greedy token k+1 places
-/// after the root, measured on the target's greedy continuations of `prompts`.
-pub fn rank_accuracy(target: &Target, heads: &Heads, prompts: &[PromptItem], max_tokens: usize, ranks: usize) -> Result<Vec<Vec<f64>>> {
-    let k_heads = heads.num_heads();
-    let mut hits = vec![vec![0usize; ranks]; k_heads];
-    let mut counts = vec![0usize; k_heads];
+/// acc[k][r]: how often the rank-r guess at level k+1 below the root equals the target's own
+/// greedy token there (for a draft layer: given the true tokens above it), measured on the
+/// target's greedy continuations of `prompts`.
+pub fn rank_accuracy(target: &Target, drafter: &Drafter, prompts: &[PromptItem], max_tokens: usize, ranks: usize) -> Result<Vec<Vec<f64>>> {
+    let mut hits: Vec<Vec<usize>> = Vec::new();
+    let mut counts: Vec<usize> = Vec::new();
     let eos = target.tokenizer.eos_ids.clone();
     for item in prompts {
         let ids = target.encode_prompt(&item.turns[0], true)?;
@@ -332,15 +334,14 @@ pub fn rank_accuracy(target: &Target, heads: &Heads, prompts: &[PromptItem], max
         seq.extend(&out);
         let mut cache = target.model.new_cache()?;
         let hidden = target.model.forward_causal(&seq, &mut cache)?;
-        // Position t of the sequence feeds the heads; the root is seq[t+1]; head k guesses seq[t+k+2].
-        for t in ids.len() - 1..seq.len().saturating_sub(2) {
-            let top = heads.draft_top_k(&hidden.narrow(0, t, 1)?, seq[t + 1], &target.model, ranks)?;
-            for k in 0..k_heads {
-                if let Some(&truth) = seq.get(t + k + 2) {
-                    counts[k] += 1;
-                    if let Some(r) = top[k].iter().position(|x| x.0 == truth) {
-                        hits[k][r] += 1;
-                    }
+        let (h, c) = drafter.rank_hits(&target.model, &hidden, &seq, ids.len() - 1, ranks)?;
+        if hits.is_empty() {
+            (hits, counts) = (h, c);
+        } else {
+            for (k, row) in h.iter().enumerate() {
+                counts[k] += c[k];
+                for (r, x) in row.iter().enumerate() {
+                    hits[k][r] += x;
                 }
             }
         }
@@ -385,33 +386,22 @@ pub struct TunePoint {
     pub expected_speedup: f64,
 }
 
-/// Pick the tree size maximising expected τ / relative cost (forward of `nodes` tokens plus the
-/// drafting overhead, over a one-token forward).
-pub fn choose_tree(acc: &[Vec<f64>], cost_ms: &[f64], draft_ms: f64, max_nodes: usize) -> (Tree, Vec<TunePoint>) {
+/// Pick the tree size maximising expected τ / relative cost: a forward of `nodes` tokens plus
+/// drafting (`draft_ms.0` per step and `draft_ms.1` per level below the first), over a
+/// one-token forward.
+pub fn choose_tree(acc: &[Vec<f64>], cost_ms: &[f64], draft_ms: (f64, f64), max_nodes: usize) -> (Tree, Vec<TunePoint>) {
     let (paths, taus) = grow_tree(acc, max_nodes);
     let mut points = vec![TunePoint { nodes: 1, expected_tau: 1.0, cost_ratio: 1.0, expected_speedup: 1.0 }];
     for (i, tau) in taus.iter().enumerate() {
         let n = i + 2;
+        let depth = paths[..=i].iter().map(|p| p.len()).max().unwrap_or(1);
         let c = cost_ms.get(n - 1).copied().unwrap_or(*cost_ms.last().unwrap());
-        let ratio = (c + draft_ms) / cost_ms[0];
+        let ratio = (c + draft_ms.0 + draft_ms.1 * (depth - 1) as f64) / cost_ms[0];
         points.push(TunePoint { nodes: n, expected_tau: *tau, cost_ratio: ratio, expected_speedup: tau / ratio });
     }
     let best = points.iter().skip(1).max_by(|a, b| a.expected_speedup.total_cmp(&b.expected_speedup)).map(|p| p.nodes).unwrap_or(2);
     let tree = Tree::from_paths(&paths[..best - 1]).expect("grown trees are prefix-closed");
     (tree, points)
-}
-
-/// Time the heads' drafting for one hidden state (median of a few runs), in ms.
-pub fn draft_cost_ms(target: &Target, heads: &Heads) -> Result<f64> {
-    let h = Tensor::zeros((1, target.model.config().hidden_size), candle_core::DType::F32, target.model.device())?;
-    let mut v = Vec::new();
-    for _ in 0..7 {
-        let t = Instant::now();
-        let _ = heads.draft_top_k(&h, 0, &target.model, 8)?;
-        v.push(t.elapsed().as_secs_f64() * 1e3);
-    }
-    let _ = h.sum(D::Minus1)?;
-    Ok(median(v))
 }
 
 #[cfg(test)]
@@ -427,10 +417,10 @@ mod tests {
         assert!((taus[0] - 1.6).abs() < 1e-12 && (taus[1] - 1.9).abs() < 1e-12);
         assert!(Tree::from_paths(&paths).is_ok());
         // Flat cost: the biggest tree wins; steep cost: a small one.
-        let (big, _) = choose_tree(&acc, &[10.0; 8], 0.0, 6);
+        let (big, _) = choose_tree(&acc, &[10.0; 8], (0.0, 0.0), 6);
         assert_eq!(big.len(), 6);
         let steep: Vec<f64> = (1..=8).map(|n| 10.0 * n as f64).collect();
-        let (small, pts) = choose_tree(&acc, &steep, 0.0, 6);
+        let (small, pts) = choose_tree(&acc, &steep, (0.0, 0.0), 6);
         assert!(small.len() <= 3, "{pts:?}");
         assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
     }

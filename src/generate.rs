@@ -55,13 +55,14 @@ pub fn check_budget(prompt_len: usize, max_new: usize, context: usize) -> Result
     Ok(max_new.min(context - prompt_len))
 }
 
-/// Prefill the prompt; returns the cache and the logits row of the last prompt token.
+/// Prefill the prompt; returns the cache, the logits row of the last prompt token and every
+/// prompt token's final hidden state (a draft layer reads them all).
 pub fn prefill(model: &Llama, prompt: &[u32]) -> Result<(KvCache, Vec<f32>, candle_core::Tensor)> {
     let mut cache = model.new_cache()?;
     let hidden = model.forward_causal(prompt, &mut cache)?;
     let last = hidden.narrow(0, prompt.len() - 1, 1)?;
     let logits = model.logits(&last)?;
-    Ok((cache, row_to_vec(&logits, 0)?, last))
+    Ok((cache, row_to_vec(&logits, 0)?, hidden))
 }
 
 /// Plain decoding. `on_token` sees every emitted token as soon as it exists.

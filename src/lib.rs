@@ -1,10 +1,15 @@
-//! selfspec: self-speculative decoding with Medusa-style draft heads and exact tree verification.
+//! selfspec: self-speculative decoding with Medusa-style draft heads or an EAGLE-style draft
+//! layer, and exact tree verification.
 //!
 //! Data flows one way: [`loader`] builds a [`loader::Target`] (a [`model::Llama`] plus tokenizer),
-//! [`generate`] decodes plainly, and the speculative modules build on the same forward.
+//! [`generate`] decodes plainly, and the speculative modules build on the same forward:
+//! [`drafter`] proposes a tree (with [`heads`] or a [`draft_layer`]), [`spec`] runs the loop and
+//! [`verify`] decides what is emitted.
 pub mod bench;
 pub mod data;
 pub mod distill;
+pub mod draft_layer;
+pub mod drafter;
 pub mod error;
 pub mod eval;
 pub mod fixtures;
@@ -19,6 +24,7 @@ pub mod sampling;
 pub mod spec;
 pub mod tokenizer;
 pub mod train;
+pub mod train_layer;
 pub mod tree;
 pub mod verify;
 

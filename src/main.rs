@@ -6,8 +6,8 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 
 use selfspec::generate::{generate_plain, GenStats, StopRule, TextStream};
-use selfspec::eval::{choose_tree, draft_cost_ms, evaluate, rank_accuracy, to_markdown, to_svg, EvalOptions, EvalReport};
-use selfspec::heads::Heads;
+use selfspec::eval::{choose_tree, evaluate, rank_accuracy, to_markdown, to_svg, EvalOptions, EvalReport};
+use selfspec::drafter::Drafter;
 use selfspec::spec::{generate_spec, SpecOptions, SpecStats, TreeChoice};
 use selfspec::train::{describe_inputs, train, LossKind, TrainConfig};
 use selfspec::verify::Rule;
@@ -185,6 +185,18 @@ enum Command {
         /// Medusa format).
         #[arg(long)]
         no_root_token: bool,
+        /// Train an EAGLE-style draft layer (one decoder layer over the target's features,
+        /// drafting autoregressively) instead of Medusa heads; --out then gets draft.json and
+        /// draft.safetensors, used wherever --heads takes a directory.
+        #[arg(long)]
+        draft_layer: bool,
+        /// Draft layer: steps of training-time test (each row also drafts this many tokens ahead
+        /// from its own predictions, as at inference).
+        #[arg(long, default_value_t = 1)]
+        unroll: usize,
+        /// Draft layer: weight of the feature-regression loss next to the token loss (EAGLE uses 1).
+        #[arg(long, default_value_t = 0.0)]
+        feature_weight: f64,
     },
     /// Acceptance length, per-head accuracy and speed-up against plain decoding, in one run.
     Eval {
@@ -294,8 +306,8 @@ fn print_eval(r: &EvalReport) {
     }
     if let Some(s) = r.overall.first() {
         let f = |v: &[f64]| v.iter().map(|x| format!("{x:.2}")).collect::<Vec<_>>().join(" ");
-        println!("head top-1 vs the target's tokens: {}", f(&s.head_top1));
-        println!("head top-5 vs the target's tokens: {}", f(&s.head_top5));
+        println!("{} guesses from the root, top-1 per level vs the target's tokens: {}", r.drafter, f(&s.head_top1));
+        println!("{} guesses from the root, top-5 per level vs the target's tokens: {}", r.drafter, f(&s.head_top5));
         println!("drafted tokens accepted per step (0, 1, 2, ...): {:?}", s.accept_hist);
     }
     println!("sample ({}; accepted draft tokens in [brackets]):\n{}", r.trees[0], r.sample_marked);
@@ -321,15 +333,20 @@ fn plain_summary(s: &GenStats) -> String {
 }
 
 fn spec_summary(s: &SpecStats, lossy: bool) -> String {
+    let steps = s.gen.target_forwards.max(1) as f64;
     format!(
-        "self-speculative{}: prompt {} tokens, {} new tokens, {} target forwards | tau {:.2} tokens/forward (bonus token counted; plain = 1.00) | prefill {:.1} tok/s | decode {:.1} tok/s",
+        "self-speculative{}: prompt {} tokens, {} new tokens, {} target forwards | tau {:.2} tokens/forward (bonus token counted; plain = 1.00) | prefill {:.1} tok/s | decode {:.1} tok/s | per step: draft {:.2} ms, tree forward {:.2} ms, verify {:.2} ms, commit {:.2} ms",
         if lossy { " (LOSSY typical acceptance: output does not follow the target's distribution)" } else { "" },
         s.gen.prompt_tokens,
         s.gen.new_tokens,
         s.gen.target_forwards,
         s.tau(),
         s.gen.prefill_tok_s(),
-        s.gen.decode_tok_s()
+        s.gen.decode_tok_s(),
+        s.time.draft * 1e3 / steps,
+        s.time.forward * 1e3 / steps,
+        s.time.verify * 1e3 / steps,
+        s.time.commit * 1e3 / steps,
     )
 }
 
@@ -351,7 +368,7 @@ fn run(cli: Cli) -> Result<()> {
             let tree = TreeChoice::parse(&spec.tree)?;
             let target = load(&model)?;
             let heads = match &spec.heads {
-                Some(dir) => Some(Heads::from_dir(dir, &target)?),
+                Some(dir) => Some(Drafter::from_dir(dir, &target)?),
                 None => None,
             };
             let ids = target.encode_prompt(&prompt, chat)?;
@@ -431,6 +448,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Train {
             model, data, out, heads, layers, own_lm_head, epochs, lr, seq_len, batch_tokens, loss, decay,
             val_fraction, warmup, checkpoint_every, seed, resume, cache_hidden, max_steps, draft_vocab, no_root_token,
+            draft_layer, unroll, feature_weight,
         } => {
             let cfg = TrainConfig {
                 num_heads: heads,
@@ -451,6 +469,9 @@ fn run(cli: Cli) -> Result<()> {
                 max_steps,
                 draft_vocab,
                 token_aware: !no_root_token,
+                draft_layer,
+                unroll,
+                feature_weight,
             };
             cfg.validate()?;
             let target = load(&model)?;
@@ -473,7 +494,14 @@ fn run(cli: Cli) -> Result<()> {
                 if quiet { eprintln!("{s}") } else { bar.println(s) }
             };
             let t0 = std::time::Instant::now();
-            let (trained, report) = train(&target, &docs, &cfg, &out, resume, cache_hidden.as_deref(), &mut prog, &mut log)?;
+            let trained = if cfg.draft_layer {
+                let (l, r) = selfspec::train_layer::train_layer(&target, &docs, &cfg, &out, resume, cache_hidden.as_deref(), &mut prog, &mut log)?;
+                (Drafter::Layer(l), r)
+            } else {
+                let (h, r) = train(&target, &docs, &cfg, &out, resume, cache_hidden.as_deref(), &mut prog, &mut log)?;
+                (Drafter::Heads(h), r)
+            };
+            let (trained, report) = trained;
             bar.finish_and_clear();
             if cfg.max_steps > 0 && report.steps == cfg.max_steps {
                 eprintln!("stopped at step {} (--max-steps); continue with --resume", report.steps);
@@ -493,13 +521,15 @@ fn run(cli: Cli) -> Result<()> {
                 "train_tokens_per_sec": report.train_tokens_per_sec,
                 "wall_secs": t0.elapsed().as_secs_f64(),
             });
-            let trained = trained.with_recipe(recipe.clone());
-            trained.save(&out)?;
+            match trained {
+                Drafter::Heads(h) => h.with_recipe(recipe.clone()).save(&out)?,
+                Drafter::Layer(l) => l.with_recipe(recipe.clone()).save_as(&out, false)?,
+            }
             selfspec::error::write_atomic(&out.join("report.json"), serde_json::to_string_pretty(&recipe)?.as_bytes())?;
             let v = report.val.last().cloned().unwrap_or_default();
             eprintln!(
-                "trained {} heads: {} steps, {} train tokens, loss {:.3}, {:.0} tok/s | held-out top-1 {:?} top-5 {:?} (vs the target's own greedy tokens) -> {}",
-                cfg.num_heads,
+                "trained {}: {} steps, {} train tokens, loss {:.3}, {:.0} tok/s | held-out top-1 {:?} top-5 {:?} (vs the target's own greedy tokens) -> {}",
+                if cfg.draft_layer { "a draft layer".to_string() } else { format!("{} heads", cfg.num_heads) },
                 report.steps,
                 report.train_tokens,
                 report.final_loss,
@@ -521,7 +551,7 @@ fn run(cli: Cli) -> Result<()> {
                 items.truncate(n.max(1));
             }
             let target = load(&model)?;
-            let h = Heads::from_dir(&heads, &target)?;
+            let h = Drafter::from_dir(&heads, &target)?;
             for (_, t) in &trees {
                 t.validate_for(&h)?;
             }
@@ -546,18 +576,18 @@ fn run(cli: Cli) -> Result<()> {
             }
             let items = selfspec::data::read_prompts(&prompts)?;
             let target = load(&model)?;
-            let h = Heads::from_dir(&heads, &target)?;
-            eprintln!("measuring head accuracy on {} prompts...", items.len());
+            let h = Drafter::from_dir(&heads, &target)?;
+            eprintln!("measuring {} accuracy on {} prompts...", h.kind(), items.len());
             let acc = rank_accuracy(&target, &h, &items, max_tokens, 8)?;
             for (k, row) in acc.iter().enumerate() {
                 let r: Vec<String> = row.iter().map(|x| format!("{x:.3}")).collect();
-                eprintln!("  head {k} rank accuracy: {}", r.join(" "));
+                eprintln!("  level {} rank accuracy: {}", k + 1, r.join(" "));
             }
             eprintln!("measuring forward cost for 1..{max_nodes} tokens...");
             let counts: Vec<usize> = (1..=max_nodes).collect();
             let costs = selfspec::bench::bench_forward(&target.model, 256, &counts, 3)?;
             let cost_ms: Vec<f64> = costs.iter().map(|r| r.median_ms).collect();
-            let draft_ms = draft_cost_ms(&target, &h)?;
+            let draft_ms = h.draft_cost_ms(&target.model)?;
             let (best, points) = choose_tree(&acc, &cost_ms, draft_ms, max_nodes);
             println!("{:>5} {:>12} {:>10} {:>17}", "nodes", "expected tau", "cost/plain", "expected speed-up");
             for p in &points {
@@ -568,7 +598,7 @@ fn run(cli: Cli) -> Result<()> {
                 "expected": points.iter().find(|p| p.nodes == best.len()),
                 "rank_accuracy": acc,
                 "forward_ms": cost_ms,
-                "draft_ms": draft_ms,
+                "draft_ms": {"per_step": draft_ms.0, "per_extra_level": draft_ms.1},
                 "note": "tau = tokens per target forward, bonus token counted",
             });
             selfspec::error::write_atomic(&out, serde_json::to_string_pretty(&doc)?.as_bytes())?;
@@ -581,12 +611,22 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::ExportHeads { model, heads, out, format } => {
             let target = load(&model)?;
-            let h = Heads::from_dir(&heads, &target)?;
-            match format.as_str() {
-                "medusa" => h.export_medusa(&out, &target)?,
-                f => h.save_as(&out, f == "f16")?,
+            match Drafter::from_dir(&heads, &target)? {
+                Drafter::Heads(h) => {
+                    match format.as_str() {
+                        "medusa" => h.export_medusa(&out, &target)?,
+                        f => h.save_as(&out, f == "f16")?,
+                    }
+                    eprintln!("wrote {} heads ({format}) to {}", h.num_heads(), out.display());
+                }
+                Drafter::Layer(l) => {
+                    if format == "medusa" {
+                        bail!("{}: a draft layer has no Medusa-format equivalent (Medusa heads read one hidden state; the layer attends over the prefix)", heads.display());
+                    }
+                    l.save_as(&out, format == "f16")?;
+                    eprintln!("wrote the draft layer ({format}) to {}", out.display());
+                }
             }
-            eprintln!("wrote {} heads ({format}) to {}", h.num_heads(), out.display());
         }
         Command::Bench { model, context, tokens, reps, json } => {
             if tokens.is_empty() || tokens.contains(&0) {

@@ -248,7 +248,7 @@ pub struct Llama {
     format: WeightFormat,
 }
 
-fn rope_tables(cfg: &Config, device: &Device) -> Result<(Tensor, Tensor)> {
+pub(crate) fn rope_tables(cfg: &Config, device: &Device) -> Result<(Tensor, Tensor)> {
     let half = cfg.head_dim / 2;
     let theta: Vec<f32> = (0..half)
         .map(|i| 1f32 / (cfg.rope_theta as f32).powf((2 * i) as f32 / cfg.head_dim as f32))
@@ -435,6 +435,30 @@ impl Llama {
         if let Some(&bad) = tokens.iter().find(|&&x| x as usize >= self.cfg.vocab_size) {
             return Err(Error::InvalidArgument(format!("token id {bad} is outside the vocabulary ({})", self.cfg.vocab_size)));
         }
+        let ids = Tensor::new(tokens, &self.device)?;
+        self.run_blocks(self.embed.forward(&ids)?, positions, mask, cache)
+    }
+
+    /// [`Llama::forward`] on input vectors `[T, hidden]` instead of token ids: a draft layer
+    /// feeds its own mix of features and embeddings through the same blocks.
+    pub fn forward_embeds(&self, x: &Tensor, positions: &[usize], mask: &TreeMask, cache: &mut KvCache) -> Result<Tensor> {
+        let t = x.dim(0)?;
+        if t == 0 || positions.len() != t || mask.len() != t || x.dims() != [t, self.cfg.hidden_size] {
+            return Err(Error::InvalidArgument(format!(
+                "forward: inputs {:?}, {} positions, mask for {}",
+                x.dims(),
+                positions.len(),
+                mask.len()
+            )));
+        }
+        if self.device.is_cpu() && rayon::current_thread_index().is_none() {
+            return rayon::scope(|_| self.run_blocks(x.clone(), positions, mask, cache));
+        }
+        self.run_blocks(x.clone(), positions, mask, cache)
+    }
+
+    fn run_blocks(&self, mut x: Tensor, positions: &[usize], mask: &TreeMask, cache: &mut KvCache) -> Result<Tensor> {
+        let t = positions.len();
         if let Some(&bad) = positions.iter().find(|&&p| p >= self.cfg.max_position) {
             return Err(Error::InvalidArgument(format!(
                 "position {bad} is past the model's context of {} tokens",
@@ -443,13 +467,11 @@ impl Llama {
         }
         cache.reserve(t)?;
         let prefix = cache.len();
-        let ids = Tensor::new(tokens, &self.device)?;
         let pos: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
         let pos = Tensor::new(pos.as_slice(), &self.device)?;
         let cos = self.cos.index_select(&pos, 0)?;
         let sin = self.sin.index_select(&pos, 0)?;
         let mask = Arc::new(mask.clone());
-        let mut x = self.embed.forward(&ids)?;
         for (i, b) in self.blocks.iter().enumerate() {
             let h = b.attn_norm.forward(&x)?;
             let a = b.attn.forward(&h, &cos, &sin, &mask, prefix, cache, i)?;

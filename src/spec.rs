@@ -4,10 +4,10 @@
 use std::time::Instant;
 
 use crate::generate::{check_budget, prefill, GenStats, StopRule};
-use crate::heads::Heads;
+use crate::drafter::Drafter;
 use crate::model::{row_to_vec, Llama};
 use crate::sampling::{Rng64, SamplingParams};
-use crate::tree::{dynamic_tree, Tree};
+use crate::tree::Tree;
 use crate::verify::{verify, Rule};
 use crate::{Error, Result};
 
@@ -35,11 +35,8 @@ impl TreeChoice {
         Ok(TreeChoice::Static(Tree::parse_spec(spec)?))
     }
 
-    pub fn validate_for(&self, heads: &Heads) -> Result<()> {
-        match self {
-            TreeChoice::Static(t) => t.validate_for(heads.num_heads(), TOP_K_LIMIT),
-            TreeChoice::Dynamic(_) => Ok(()),
-        }
+    pub fn validate_for(&self, drafter: &Drafter) -> Result<()> {
+        drafter.validate_tree(self)
     }
 }
 
@@ -61,6 +58,17 @@ pub struct SpecStats {
     /// Per emitted token: true when it was a drafted token the target accepted, false for the
     /// target's own (first, correction or bonus) tokens. For showing what speculation did.
     pub drafted: Vec<bool>,
+    /// Where decode time went, in seconds: drafting the trees, the target's tree forwards
+    /// (with logits), verification, and updating the KV cache and the drafter's state.
+    pub time: StepTimes,
+}
+
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct StepTimes {
+    pub draft: f64,
+    pub forward: f64,
+    pub verify: f64,
+    pub commit: f64,
 }
 
 impl SpecStats {
@@ -80,60 +88,49 @@ pub struct SpecOptions<'a> {
 /// Generate with self-speculation. `on_token` sees each emitted token as soon as it is accepted.
 pub fn generate_spec(
     model: &Llama,
-    heads: &Heads,
+    drafter: &Drafter,
     prompt: &[u32],
     opts: &SpecOptions,
     rng: &mut Rng64,
     on_token: &mut dyn FnMut(u32) -> Result<()>,
 ) -> Result<(Vec<u32>, SpecStats)> {
     opts.params.validate()?;
-    opts.tree.validate_for(heads)?;
+    opts.tree.validate_for(drafter)?;
     let max_pos = model.config().max_position;
     let budget = check_budget(prompt.len(), opts.stop.max_new_tokens, max_pos)?;
-    let k_heads = heads.num_heads();
     let t0 = Instant::now();
-    let (mut cache, logits, mut h_last) = prefill(model, prompt)?;
+    let (mut cache, logits, prompt_hidden) = prefill(model, prompt)?;
     let prefill_secs = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     let mut history = prompt.to_vec();
     let mut out: Vec<u32> = Vec::new();
-    let mut stats = SpecStats { head_acc: vec![(0, 0, 0); k_heads], ..Default::default() };
+    let mut stats = SpecStats::default();
     if let TreeChoice::Static(t) = &opts.tree {
         stats.node_tries_hits = vec![(0, 0); t.len()];
     }
-    // (index in `out` of the root, per head top-5 draft ids) for accuracy after the fact.
+    // (index in `out` of the root, per level top-5 draft ids) for accuracy after the fact.
     let mut drafts: Vec<(usize, Vec<Vec<u32>>)> = Vec::new();
 
     let first = opts.params.choose(&logits, &history, rng);
     let mut done = emit(first, &mut out, &mut history, opts, budget, on_token)?;
     stats.drafted.push(false);
+    let mut state = if done { None } else { Some(drafter.start(model, &prompt_hidden, prompt, first)?) };
     while !done && cache.len() + 1 < max_pos {
+        let Some(state) = state.as_mut() else { break };
         let committed = cache.len();
-        let want = match &opts.tree {
-            TreeChoice::Static(t) => t.ranks_per_depth().into_iter().max().unwrap_or(1),
-            TreeChoice::Dynamic(n) => (*n).min(TOP_K_LIMIT),
-        };
-        let top = heads.draft_top_k(&h_last, *out.last().unwrap(), model, want.max(ACC_K))?;
-        drafts.push((out.len() - 1, top.iter().map(|r| r.iter().take(ACC_K).map(|x| x.0).collect()).collect()));
-        let mut tree = match &opts.tree {
-            TreeChoice::Static(t) => t.clone(),
-            TreeChoice::Dynamic(n) => dynamic_tree(&top.iter().map(|r| r[..want.min(r.len())].to_vec()).collect::<Vec<_>>(), *n),
-        };
-        if committed + tree.len() > max_pos {
-            tree = Tree::from_paths(&[]).expect("root-only tree");
-        }
-        let tokens: Vec<u32> = tree
-            .nodes()
-            .iter()
-            .map(|n| if n.depth == 0 { *out.last().unwrap() } else { top[n.depth - 1][n.rank].0 })
-            .collect();
+        let root = *out.last().unwrap();
+        let t_step = Instant::now();
+        let proposal = state.propose(model, root, &opts.tree, ACC_K, max_pos - committed)?;
+        drafts.push((out.len() - 1, proposal.guesses));
+        let (tree, tokens) = (proposal.tree, proposal.tokens);
+        let t_fwd = Instant::now();
         let hidden = model.forward(&tokens, &tree.positions(committed), &tree.mask(), &mut cache)?;
         let all_logits = model.logits(&hidden)?;
+        let t_verify = Instant::now();
         let verdict = verify(&tree, &tokens, &history, &opts.params, opts.rule, rng, &mut |i| row_to_vec(&all_logits, i))?;
+        let t_commit = Instant::now();
         let slots: Vec<usize> = verdict.accepted.iter().map(|&a| committed + a).collect();
         cache.compact(committed, &slots)?;
-        let last = *verdict.accepted.last().unwrap();
-        h_last = hidden.narrow(0, last, 1)?;
         stats.gen.target_forwards += 1;
         stats.tree_nodes_total += tree.len();
         let m = verdict.accepted.len() - 1;
@@ -158,10 +155,20 @@ pub fn generate_spec(
                 break;
             }
         }
+        if !done {
+            state.commit(model, &hidden, &verdict.accepted, &verdict.emitted)?;
+        }
+        let t_end = Instant::now();
+        stats.time.draft += (t_fwd - t_step).as_secs_f64();
+        stats.time.forward += (t_verify - t_fwd).as_secs_f64();
+        stats.time.verify += (t_commit - t_verify).as_secs_f64();
+        stats.time.commit += (t_end - t_commit).as_secs_f64();
     }
-    // Head accuracy against what the target actually emitted.
-    for (root_idx, per_head) in &drafts {
-        for (k, cands) in per_head.iter().enumerate() {
+    // Drafting accuracy against what the target actually emitted.
+    let levels = drafts.iter().map(|d| d.1.len()).max().unwrap_or(0);
+    stats.head_acc = vec![(0, 0, 0); levels];
+    for (root_idx, per_level) in &drafts {
+        for (k, cands) in per_level.iter().enumerate() {
             if let Some(&truth) = out.get(root_idx + 1 + k) {
                 let a = &mut stats.head_acc[k];
                 a.0 += 1;

@@ -51,6 +51,20 @@ pub struct TrainConfig {
     /// Token-aware heads (see [`HeadsConfig::token_aware`]).
     #[serde(default)]
     pub token_aware: bool,
+    /// Train an EAGLE-style draft layer ([`crate::draft_layer`]) instead of heads.
+    #[serde(default)]
+    pub draft_layer: bool,
+    /// Draft layer: steps of training-time test (1 = teacher forcing only); step s is weighted
+    /// `decay^s`.
+    #[serde(default = "one")]
+    pub unroll: usize,
+    /// Draft layer: weight of the feature regression (smooth L1) next to the token loss.
+    #[serde(default)]
+    pub feature_weight: f64,
+}
+
+fn one() -> usize {
+    1
 }
 
 impl Default for TrainConfig {
@@ -74,6 +88,9 @@ impl Default for TrainConfig {
             max_steps: 0,
             draft_vocab: 8192,
             token_aware: true,
+            draft_layer: false,
+            unroll: 1,
+            feature_weight: 0.0,
         }
     }
 }
@@ -95,6 +112,12 @@ impl TrainConfig {
         }
         if !(self.decay > 0.0 && self.decay <= 1.0) {
             return bad("--decay must be in (0, 1]");
+        }
+        if self.draft_layer && (self.unroll == 0 || self.unroll + 2 > self.seq_len) {
+            return bad("--unroll must be at least 1 and shorter than --seq-len");
+        }
+        if self.draft_layer && self.draft_vocab == 0 {
+            return bad("a draft layer needs a draft vocabulary (--draft-vocab N)");
         }
         if self.own_lm_head && self.draft_vocab > 0 {
             return bad("--own-lm-head needs the full vocabulary: add --draft-vocab 0");
@@ -433,26 +456,19 @@ pub fn validate(heads: &Heads, target: &Target, chunks: &[(Vec<u32>, Tensor)]) -
     Ok(HeadAccuracy { positions: counts.first().copied().unwrap_or(0), top1: frac(&top1), top5: frac(&top5) })
 }
 
-/// Progress callback: (step, total steps, loss, per-head running accuracy, tokens/s).
-pub type Progress<'a> = &'a mut dyn FnMut(usize, usize, f64, &[f64], f64);
+/// Chunks with the frozen backbone's hidden states, split into training and held-out sets.
+pub(crate) struct Prepared {
+    pub train_set: Vec<(Vec<u32>, Tensor)>,
+    pub val_set: Vec<(Vec<u32>, Tensor)>,
+    pub train_tokens: usize,
+    pub val_tokens: usize,
+    pub hidden_secs: f64,
+}
 
-/// Train heads on `docs`, writing checkpoints and the final heads into `out`.
-pub fn train(
-    target: &Target,
-    docs: &[String],
-    cfg: &TrainConfig,
-    out: &Path,
-    resume: bool,
-    cache_hidden: Option<&Path>,
-    progress: Progress,
-    log: &mut dyn FnMut(String),
-) -> Result<(Heads, TrainReport)> {
-    cfg.validate()?;
-    std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
-    let k_heads = cfg.num_heads;
-    let chunks = chunk_documents(target, docs, cfg.seq_len, k_heads + 3)?;
+pub(crate) fn prepare(target: &Target, docs: &[String], cfg: &TrainConfig, min_len: usize, cache_hidden: Option<&Path>, log: &mut dyn FnMut(String)) -> Result<Prepared> {
+    let chunks = chunk_documents(target, docs, cfg.seq_len, min_len)?;
     if chunks.is_empty() {
-        return Err(Error::InvalidArgument(format!("the corpus gives no chunk of at least {} tokens", k_heads + 3)));
+        return Err(Error::InvalidArgument(format!("the corpus gives no chunk of at least {min_len} tokens")));
     }
     let mut order: Vec<usize> = (0..chunks.len()).collect();
     order.shuffle(&mut crate::sampling::rng(cfg.seed ^ 0x5eed));
@@ -485,12 +501,17 @@ pub fn train(
     let train_tokens: usize = train_set.iter().map(|c| c.0.len()).sum();
     let val_tokens: usize = val_set.iter().map(|c| c.0.len()).sum();
     log(format!("{} train chunks ({train_tokens} tokens), {} validation chunks ({val_tokens} tokens); hidden states in {hidden_secs:.0}s", train_set.len(), val_set.len()));
+    Ok(Prepared { train_set, val_set, train_tokens, val_tokens, hidden_secs })
 
+}
+
+/// Batches per epoch, and the batches of each epoch.
+pub(crate) fn epoch_batches<'a>(train_set: &'a [(Vec<u32>, Tensor)], cfg: &'a TrainConfig) -> (usize, impl Fn(usize) -> Vec<Vec<usize>> + 'a) {
     // Batches: consecutive chunks of the epoch's permutation up to batch_tokens.
     // Batches of about `batch_tokens` tokens over a per-epoch shuffle. Chunk lengths vary, so
     // a shuffle can give one batch more or fewer than another; every epoch is fitted to the
     // first epoch's count so steps map to (epoch, batch) the same way in every epoch.
-    let raw_batches = |epoch: usize| -> Vec<Vec<usize>> {
+    let raw_batches = move |epoch: usize| -> Vec<Vec<usize>> {
         let mut ids: Vec<usize> = (0..train_set.len()).collect();
         ids.shuffle(&mut crate::sampling::rng(cfg.seed.wrapping_add(1000 + epoch as u64)));
         let mut out = vec![];
@@ -510,7 +531,49 @@ pub fn train(
         out
     };
     let per_epoch = raw_batches(0).len();
-    let batches_for_epoch = |epoch: usize| -> Vec<Vec<usize>> { fit_batches(raw_batches(epoch), per_epoch) };
+    (per_epoch, move |epoch: usize| -> Vec<Vec<usize>> { fit_batches(raw_batches(epoch), per_epoch) })
+}
+
+/// Restore optimizer state and losses from `out`'s checkpoint when resuming and one exists.
+pub(crate) fn resume_from(out: &Path, cfg: &TrainConfig, opt: &mut AdamW, device: &candle_core::Device, total_steps: usize, log: &mut dyn FnMut(String)) -> Result<Vec<f64>> {
+    if !out.join(CKPT_META).exists() {
+        return Ok(Vec::new());
+    }
+    let meta_path = out.join(CKPT_META);
+    let text = std::fs::read_to_string(&meta_path).map_err(|e| Error::io(&meta_path, e))?;
+    let meta: CheckpointMeta = serde_json::from_str(&text).map_err(|e| Error::bad_file(&meta_path, format!("invalid checkpoint: {e}")))?;
+    if serde_json::to_value(&meta.config).ok() != serde_json::to_value(cfg).ok().map(|mut v| {
+        v["max_steps"] = serde_json::to_value(meta.config.max_steps).unwrap();
+        v
+    }) {
+        return Err(Error::bad_file(&meta_path, "the checkpoint was made with other training settings; resume with the same flags"));
+    }
+    let tp = out.join(CKPT_TENSORS);
+    let st = candle_core::safetensors::load(&tp, device).map_err(|e| Error::bad_file(&tp, e.to_string()))?;
+    opt.restore(&st, meta.step)?;
+    log(format!("resumed from step {} of {total_steps}", meta.step));
+    Ok(meta.losses)
+}
+
+/// Progress callback: (step, total steps, loss, per-head running accuracy, tokens/s).
+pub type Progress<'a> = &'a mut dyn FnMut(usize, usize, f64, &[f64], f64);
+
+/// Train heads on `docs`, writing checkpoints and the final heads into `out`.
+pub fn train(
+    target: &Target,
+    docs: &[String],
+    cfg: &TrainConfig,
+    out: &Path,
+    resume: bool,
+    cache_hidden: Option<&Path>,
+    progress: Progress,
+    log: &mut dyn FnMut(String),
+) -> Result<(Heads, TrainReport)> {
+    cfg.validate()?;
+    std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
+    let k_heads = cfg.num_heads;
+    let Prepared { train_set, val_set, train_tokens, val_tokens, hidden_secs } = prepare(target, docs, cfg, k_heads + 3, cache_hidden, log)?;
+    let (per_epoch, batches_for_epoch) = epoch_batches(&train_set, cfg);
     let total_steps = per_epoch * cfg.epochs;
 
     let device = target.model.device().clone();
@@ -539,23 +602,7 @@ pub fn train(
     let restricted = heads.draft_vocab().is_some();
     let slot = |t: u32| -> Option<u32> { if restricted { slot_of.get(&t).copied() } else { Some(t) } };
     let mut opt = AdamW::new(&varmap, cfg.weight_decay)?;
-    let mut losses = Vec::new();
-    if resume && out.join(CKPT_META).exists() {
-        let meta_path = out.join(CKPT_META);
-        let text = std::fs::read_to_string(&meta_path).map_err(|e| Error::io(&meta_path, e))?;
-        let meta: CheckpointMeta = serde_json::from_str(&text).map_err(|e| Error::bad_file(&meta_path, format!("invalid checkpoint: {e}")))?;
-        if serde_json::to_value(&meta.config).ok() != serde_json::to_value(cfg).ok().map(|mut v| {
-            v["max_steps"] = serde_json::to_value(meta.config.max_steps).unwrap();
-            v
-        }) {
-            return Err(Error::bad_file(&meta_path, "the checkpoint was made with other training settings; resume with the same flags"));
-        }
-        let tp = out.join(CKPT_TENSORS);
-        let st = candle_core::safetensors::load(&tp, &device).map_err(|e| Error::bad_file(&tp, e.to_string()))?;
-        opt.restore(&st, meta.step)?;
-        losses = meta.losses;
-        log(format!("resumed from step {} of {total_steps}", meta.step));
-    }
+    let mut losses = if resume { resume_from(out, cfg, &mut opt, &device, total_steps, log)? } else { Vec::new() };
 
     let t_train = Instant::now();
     let start_step = opt.step;
@@ -634,7 +681,7 @@ fn fmt(v: &[f64]) -> Vec<String> {
     v.iter().map(|x| format!("{x:.3}")).collect()
 }
 
-fn save_checkpoint(out: &Path, opt: &AdamW, losses: &[f64], cfg: &TrainConfig) -> Result<()> {
+pub(crate) fn save_checkpoint(out: &Path, opt: &AdamW, losses: &[f64], cfg: &TrainConfig) -> Result<()> {
     let tmp = out.join(format!("{CKPT_TENSORS}.tmp"));
     candle_core::safetensors::save(&opt.state(), &tmp)?;
     std::fs::rename(&tmp, out.join(CKPT_TENSORS)).map_err(|e| Error::io(out.join(CKPT_TENSORS), e))?;

@@ -116,14 +116,20 @@ impl Tree {
         }
     }
 
-    /// Check the tree against the heads that will fill it.
-    pub fn validate_for(&self, num_heads: usize, max_rank: usize) -> Result<()> {
+    /// Check the tree against the drafter that will fill it: `levels` deep at most (one per
+    /// head, or a draft layer's limit), ranks below `max_rank`.
+    pub fn validate_for(&self, levels: usize, max_rank: usize) -> Result<()> {
+        self.validate_against(levels, "heads", max_rank)
+    }
+
+    /// As [`Tree::validate_for`], naming what has `levels` levels in the message.
+    pub fn validate_against(&self, levels: usize, what: &str, max_rank: usize) -> Result<()> {
         let depth = self.depth();
-        if depth > num_heads {
-            return Err(Error::InvalidTree(format!("the tree is {depth} deep but there are only {num_heads} heads")));
+        if depth > levels {
+            return Err(Error::InvalidTree(format!("the tree is {depth} deep but there are only {levels} {what}")));
         }
         if let Some(n) = self.nodes.iter().skip(1).find(|n| n.rank >= max_rank) {
-            return Err(Error::InvalidTree(format!("node {:?} uses rank {} but heads give their top {max_rank}", n.path, n.rank)));
+            return Err(Error::InvalidTree(format!("node {:?} uses rank {} but drafts give their top {max_rank}", n.path, n.rank)));
         }
         Ok(())
     }

@@ -31,7 +31,7 @@ fn eval_reports_tau_identity_and_files() {
         seed: 1,
         progress: &mut prog,
     };
-    let r = evaluate(&t, &heads, &prompts(), &mut opts).unwrap();
+    let r = evaluate(&t, &selfspec::drafter::Drafter::Heads(heads), &prompts(), &mut opts).unwrap();
     assert_eq!(calls, 3, "one progress tick per turn");
     assert_eq!(r.turns.len(), 3);
     assert_eq!(r.per_category.len(), 2);

@@ -14,6 +14,7 @@ use selfspec::heads::Heads;
 use selfspec::loader::Target;
 use selfspec::quant::WeightFormat;
 use selfspec::sampling::{rng, SamplingParams};
+use selfspec::drafter::Drafter;
 use selfspec::spec::{generate_spec, SpecOptions, TreeChoice};
 use selfspec::tree::Tree;
 use selfspec::verify::Rule;
@@ -114,7 +115,7 @@ fn smollm2_every_format_stays_close_and_greedy_speculation_stays_exact() {
     for f in [WeightFormat::F16, WeightFormat::Q8_0, WeightFormat::Native] {
         t.set_weights(f).unwrap();
         // Loaded after the switch, so its draft projection takes the target's format too.
-        let heads = Heads::from_dir(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/heads/smollm2"), &t).unwrap();
+        let heads = Drafter::Heads(Heads::from_dir(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/heads/smollm2"), &t).unwrap());
         let got = last_logits(&t.model, &text);
         let d = rel_diff(&got, &reference);
         assert!(d <= tolerance(f) * 3.0, "{f}: SmolLM2 logits differ from f32 by {d} of the largest logit");

@@ -14,12 +14,13 @@ use selfspec::heads::{Heads, HeadsConfig};
 use selfspec::loader::Fingerprint;
 use selfspec::model::{row_to_vec, Llama};
 use selfspec::sampling::{rng, SamplingParams};
+use selfspec::drafter::Drafter;
 use selfspec::spec::{generate_spec, SpecOptions, TreeChoice};
 use selfspec::tree::Tree;
 use selfspec::verify::Rule;
 
 /// A random model with a 16-token vocabulary and random heads that draft varied tokens.
-fn tiny16() -> (Llama, Heads) {
+fn tiny16() -> (Llama, Drafter) {
     let mut cfg = selfspec::fixtures::tiny_config();
     cfg.vocab_size = 16;
     cfg.hidden_size = 32;
@@ -44,7 +45,7 @@ fn tiny16() -> (Llama, Heads) {
         hw.insert(format!("heads.{k}.blocks.0.bias"), Tensor::randn(0f32, 0.5, 32, &Device::Cpu).unwrap());
     }
     let heads = Heads::load(VarBuilder::from_tensors(hw, DType::F32, &Device::Cpu), &hcfg).unwrap();
-    (model, heads)
+    (model, Drafter::Heads(heads))
 }
 
 /// Exact joint distribution of the first three tokens after `prompt`, by enumeration.
@@ -110,7 +111,7 @@ fn erfc(x: f64) -> f64 {
     if x >= 0.0 { r } else { 2.0 - r }
 }
 
-fn sample_runs(model: &Llama, heads: &Heads, prompt: &[u32], params: &SamplingParams, rule: Rule, n: usize) -> Vec<usize> {
+fn sample_runs(model: &Llama, heads: &Drafter, prompt: &[u32], params: &SamplingParams, rule: Rule, n: usize) -> Vec<usize> {
     let tree = Tree::from_paths(&[vec![0], vec![1], vec![2], vec![0, 0], vec![0, 1], vec![1, 0]]).unwrap();
     let opts = SpecOptions { tree: TreeChoice::Static(tree), rule, params: params.clone(), stop: StopRule { max_new_tokens: 3, eos_ids: &[] } };
     let mut counts = vec![0usize; 16 * 16 * 16];
@@ -148,7 +149,7 @@ fn committed_heads() -> PathBuf {
 #[test]
 fn greedy_self_speculation_is_identical_to_plain_greedy() {
     let t = smollm2();
-    let heads = Heads::from_dir(&committed_heads(), &t).unwrap();
+    let heads = Drafter::Heads(Heads::from_dir(&committed_heads(), &t).unwrap());
     let prompts = selfspec::data::read_prompts(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/prompts/eval.jsonl")).unwrap();
     assert!(prompts.len() >= 20);
     let trees = [

@@ -1,0 +1,39 @@
+//! Where a draft layer's drafting time goes: propose (per tree) and commit, median ms.
+//! `cargo run --release --example draftcost -- MODEL DRAFT_DIR [weights]`
+use std::time::Instant;
+
+use selfspec::drafter::Drafter;
+use selfspec::loader::Target;
+use selfspec::spec::TreeChoice;
+use selfspec::tree::Tree;
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let w: selfspec::quant::WeightFormat = args.get(3).map(|s| s.parse()).transpose()?.unwrap_or(selfspec::quant::WeightFormat::Native);
+    let target = Target::load_with(args[1].as_ref(), &candle_core::Device::Cpu, w)?;
+    let drafter = Drafter::from_dir(args[2].as_ref(), &target)?;
+    let prompt = target.encode_prompt("Explain how a refrigerator keeps food cold, step by step, in detail.", true)?;
+    let mut cache = target.model.new_cache()?;
+    let hidden = target.model.forward_causal(&prompt, &mut cache)?;
+    let mut state = drafter.start(&target.model, &hidden, &prompt, 42)?;
+    let med = |mut v: Vec<f64>| {
+        v.sort_by(|a, b| a.total_cmp(b));
+        v[v.len() / 2]
+    };
+    for spec in ["chain:1", "chain:2", "chain:3", "chain:5", "cpu", "dynamic:8", "dynamic:16"] {
+        let choice = TreeChoice::parse(spec)?;
+        let (mut p, mut c) = (Vec::new(), Vec::new());
+        for _ in 0..21 {
+            let t = Instant::now();
+            let prop = state.propose(&target.model, 42, &choice, 1, usize::MAX)?;
+            p.push(t.elapsed().as_secs_f64() * 1e3);
+            let t = Instant::now();
+            let h = hidden.narrow(0, 0, prop.tree.len())?;
+            state.commit(&target.model, &h, &[0, 1], &[7, 9])?;
+            c.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        println!("{spec:>10}: propose {:.2} ms, commit (2 pairs) {:.2} ms", med(p), med(c));
+    }
+    let _ = Tree::chain(1);
+    Ok(())
+}

@@ -1,0 +1,198 @@
+//! Training an EAGLE-style draft layer with the backbone frozen.
+//!
+//! Same data path as the heads ([`crate::train`]: chunks, cached hidden states, held-out split,
+//! batches, AdamW, checkpoints, exact resume). The loss at step s of the training-time test is
+//! the cross-entropy between the layer's guess for token t+s+2 and the target's own distribution
+//! there (softmax of lm_head over the real feature f_{t+s+1}), plus optionally a smooth-L1
+//! regression of the predicted feature onto f_{t+s+1}, weighted `decay^s`.
+use std::path::Path;
+use std::time::Instant;
+
+use candle_core::{Tensor, D};
+use candle_nn::VarMap;
+
+use crate::draft_layer::{DraftLayer, DraftLayerConfig, TrainLayer};
+use crate::loader::Target;
+use crate::train::{epoch_batches, frequent_tokens, learning_rate, prepare, resume_from, save_checkpoint, AdamW, HeadAccuracy, Prepared, Progress, TrainConfig, TrainReport};
+use crate::{Error, Result};
+
+/// Levels the validation reports (guesses 1..=VAL_LEVELS tokens past the root).
+pub const VAL_LEVELS: usize = 4;
+
+/// Inputs of one chunk for `steps` steps: the real features and, per step, the embeddings of
+/// the tokens each row's pair carries (past the chunk's end: token 0, masked out of the loss).
+fn chunk_inputs(target: &Target, toks: &[u32], h: &Tensor, steps: usize) -> Result<(Tensor, Vec<Tensor>)> {
+    let t = toks.len() - 1;
+    let feats = h.narrow(0, 0, t)?;
+    let mut embs = Vec::with_capacity(steps);
+    for s in 0..steps {
+        let ids: Vec<u32> = (0..t).map(|r| toks.get(r + s + 1).copied().unwrap_or(0)).collect();
+        embs.push(target.model.embed(&ids)?);
+    }
+    Ok((feats, embs))
+}
+
+fn smooth_l1(d: &Tensor) -> Result<Tensor> {
+    let a = d.abs()?;
+    let m = a.minimum(1.0)?;
+    Ok(((m.sqr()? * 0.5)? + (a - m)?)?.mean_all()?)
+}
+
+/// Loss of one chunk, and step 0's (hits, rows) against the target's own top token.
+fn chunk_loss(layer: &TrainLayer, target: &Target, toks: &[u32], h: &Tensor, cfg: &TrainConfig) -> Result<(Tensor, (usize, usize))> {
+    let t = toks.len() - 1;
+    let steps = cfg.unroll.min(t);
+    let (feats, embs) = chunk_inputs(target, toks, h, steps)?;
+    let preds = layer.forward_unrolled(&feats, &embs)?;
+    // The target's own distribution after every position, once for all steps.
+    let p_all = candle_nn::ops::softmax_last_dim(&layer.logits(&h.narrow(0, 1, t)?)?)?;
+    let mut total: Option<Tensor> = None;
+    let mut acc = (0, 0);
+    for (s, pred) in preds.iter().enumerate() {
+        let rows = t - s;
+        let truth = h.narrow(0, s + 1, rows)?;
+        let pred = pred.narrow(0, 0, rows)?;
+        let p = p_all.narrow(0, s, rows)?;
+        let logits = layer.logits(&pred)?;
+        let logq = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+        let mut l = (p.clone() * logq)?.sum(D::Minus1)?.mean_all()?.neg()?;
+        if cfg.feature_weight > 0.0 {
+            l = (l + (smooth_l1(&(pred - &truth)?)? * cfg.feature_weight)?)?;
+        }
+        if s == 0 {
+            let a: Vec<u32> = logits.argmax(D::Minus1)?.to_vec1()?;
+            let b: Vec<u32> = p.argmax(D::Minus1)?.to_vec1()?;
+            acc = (a.iter().zip(&b).filter(|(x, y)| x == y).count(), rows);
+        }
+        let term = (l * cfg.decay.powi(s as i32))?;
+        total = Some(match total {
+            None => term,
+            Some(x) => (x + term)?,
+        });
+    }
+    Ok((total.ok_or_else(|| Error::InvalidArgument("a chunk too short to train on".into()))?, acc))
+}
+
+/// Top-1/top-5 per level on held-out chunks, against the target's own greedy tokens: level k
+/// guesses the token k places past the root, drafted along the true tokens above it (the
+/// unrolled forward, which attends exactly as a drafted chain does).
+pub fn validate_layer(layer: &TrainLayer, ids: &[u32], target: &Target, chunks: &[(Vec<u32>, Tensor)]) -> Result<HeadAccuracy> {
+    let lm = target.model.lm_head().weight();
+    let mut top1 = vec![0usize; VAL_LEVELS];
+    let mut top5 = vec![0usize; VAL_LEVELS];
+    let mut counts = vec![0usize; VAL_LEVELS];
+    for (toks, h) in chunks {
+        let t = toks.len() - 1;
+        let steps = VAL_LEVELS.min(t);
+        let own: Vec<u32> = h.matmul(&lm.t()?)?.argmax(D::Minus1)?.to_vec1()?; // own[i] = target's token i+1
+        let (feats, embs) = chunk_inputs(target, toks, h, steps)?;
+        let preds = layer.forward_unrolled(&feats, &embs)?;
+        for (s, pred) in preds.iter().enumerate() {
+            let rows = t - s;
+            let top = crate::heads::top_k_rows(&layer.logits(&pred.narrow(0, 0, rows)?)?, 5)?;
+            for (r, row) in top.iter().enumerate() {
+                let truth = own[r + s + 1];
+                counts[s] += 1;
+                top1[s] += (ids[row[0].0 as usize] == truth) as usize;
+                top5[s] += row.iter().any(|x| ids[x.0 as usize] == truth) as usize;
+            }
+        }
+    }
+    let frac = |a: &[usize]| a.iter().zip(&counts).map(|(&x, &c)| x as f64 / c.max(1) as f64).collect();
+    Ok(HeadAccuracy { positions: counts[0], top1: frac(&top1), top5: frac(&top5) })
+}
+
+/// Train a draft layer on `docs`, writing checkpoints into `out`.
+#[allow(clippy::too_many_arguments)]
+pub fn train_layer(
+    target: &Target,
+    docs: &[String],
+    cfg: &TrainConfig,
+    out: &Path,
+    resume: bool,
+    cache_hidden: Option<&Path>,
+    progress: Progress,
+    log: &mut dyn FnMut(String),
+) -> Result<(DraftLayer, TrainReport)> {
+    cfg.validate()?;
+    if !cfg.draft_layer {
+        return Err(Error::InvalidArgument("train_layer needs a draft-layer configuration".into()));
+    }
+    std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
+    let Prepared { train_set, val_set, train_tokens, val_tokens, hidden_secs } = prepare(target, docs, cfg, cfg.unroll + 2, cache_hidden, log)?;
+    let (per_epoch, batches_for_epoch) = epoch_batches(&train_set, cfg);
+    let total_steps = per_epoch * cfg.epochs;
+    let device = target.model.device().clone();
+    let vocab = target.model.config().vocab_size;
+    let ids = frequent_tokens(train_set.iter().map(|c| c.0.as_slice()), cfg.draft_vocab.min(vocab), &target.tokenizer.eos_ids);
+    log(format!("draft vocabulary: the {} most frequent corpus tokens", ids.len()));
+    let lcfg = DraftLayerConfig::for_target(target, ids.len())?;
+    let varmap = VarMap::new();
+    let layer = TrainLayer::init(&varmap, lcfg.clone(), &ids, &target.model, cfg.seed)?;
+    let mut opt = AdamW::new(&varmap, cfg.weight_decay)?;
+    let mut losses = if resume { resume_from(out, cfg, &mut opt, &device, total_steps, log)? } else { Vec::new() };
+
+    let t_train = Instant::now();
+    let start_step = opt.step;
+    let mut tokens_seen = 0usize;
+    let mut running = vec![0.0];
+    let mut step = opt.step;
+    while step < total_steps {
+        if cfg.max_steps > 0 && step >= cfg.max_steps {
+            break;
+        }
+        let epoch = step / per_epoch;
+        let batches = batches_for_epoch(epoch);
+        let batch = &batches[step % per_epoch];
+        let mut loss: Option<Tensor> = None;
+        let (mut hits, mut rows) = (0, 0);
+        for &i in batch {
+            let (toks, h) = &train_set[i];
+            let (l, (a, b)) = chunk_loss(&layer, target, toks, h, cfg)?;
+            hits += a;
+            rows += b;
+            loss = Some(match loss {
+                None => l,
+                Some(x) => (x + l)?,
+            });
+        }
+        let loss = (loss.ok_or_else(|| Error::InvalidArgument("an empty batch".into()))? / batch.len() as f64)?;
+        let grads = loss.backward()?;
+        let lr = learning_rate(step, total_steps, cfg.warmup_steps, cfg.lr);
+        opt.step(&grads, lr, cfg.grad_clip)?;
+        step = opt.step;
+        let lv = loss.to_scalar::<f32>()? as f64;
+        losses.push(lv);
+        tokens_seen += batch.iter().map(|&i| train_set[i].0.len()).sum::<usize>();
+        let a = hits as f64 / rows.max(1) as f64;
+        running[0] = if step == start_step + 1 { a } else { 0.9 * running[0] + 0.1 * a };
+        progress(step, total_steps, lv, &running, tokens_seen as f64 / t_train.elapsed().as_secs_f64());
+        if step % cfg.checkpoint_every == 0 || step == total_steps {
+            save_checkpoint(out, &opt, &losses, cfg)?;
+        }
+        if step % per_epoch == 0 && !val_set.is_empty() {
+            let v = validate_layer(&layer, &ids, target, &val_set)?;
+            log(format!("epoch {}: validation top-1 {:?} top-5 {:?} (levels 1..{VAL_LEVELS})", step / per_epoch, fmt(&v.top1), fmt(&v.top5)));
+        }
+    }
+    let train_secs = t_train.elapsed().as_secs_f64();
+    let val = if val_set.is_empty() { HeadAccuracy::default() } else { validate_layer(&layer, &ids, target, &val_set)? };
+    let report = TrainReport {
+        train_tokens,
+        val_tokens,
+        steps: step,
+        final_loss: losses.last().copied().unwrap_or(f64::NAN),
+        losses: losses.clone(),
+        val: vec![val],
+        hidden_secs,
+        train_secs,
+        train_tokens_per_sec: tokens_seen as f64 / train_secs.max(1e-9),
+    };
+    let mut trained = DraftLayer::from_tensors(layer.tensors()?, ids, lcfg, &target.model)?;
+    trained.set_format(target.model.weight_format())?;
+    Ok((trained, report))
+}
+
+fn fmt(v: &[f64]) -> Vec<String> {
+    v.iter().map(|x| format!("{x:.3}")).collect()
+}

@@ -1,0 +1,174 @@
+//! The EAGLE-style draft layer: its training forward (differentiable ops, training-time test)
+//! computes what the inference forward computes; drafting with it keeps greedy output exactly
+//! the target's; training lowers the loss, resumes exactly, and files round-trip and refuse
+//! other targets.
+mod common;
+
+use std::collections::HashMap;
+
+use candle_core::{Device, Tensor};
+use candle_nn::VarMap;
+use common::*;
+use selfspec::draft_layer::{DraftLayer, DraftLayerConfig, TrainLayer};
+use selfspec::drafter::Drafter;
+use selfspec::generate::{generate_plain, StopRule};
+use selfspec::kernels::TreeMask;
+use selfspec::sampling::{rng, SamplingParams};
+use selfspec::spec::{generate_spec, SpecOptions, TreeChoice};
+use selfspec::train::TrainConfig;
+use selfspec::train_layer::train_layer;
+use selfspec::tree::Tree;
+use selfspec::verify::Rule;
+
+fn to_vec(t: &Tensor) -> Vec<f32> {
+    t.flatten_all().unwrap().to_vec1().unwrap()
+}
+
+/// A random (untrained) layer for `t`, over its whole vocabulary.
+fn random_layer(t: &selfspec::loader::Target, seed: u64) -> (TrainLayer, Vec<u32>) {
+    let vocab = t.model.config().vocab_size;
+    let ids: Vec<u32> = (0..vocab as u32).collect();
+    let cfg = DraftLayerConfig::for_target(t, vocab).unwrap();
+    let layer = TrainLayer::init(&VarMap::new(), cfg, &ids, &t.model, seed).unwrap();
+    (layer, ids)
+}
+
+#[test]
+fn training_forward_matches_inference_forward() {
+    let (_, t) = tiny_gguf("layer-fwd", 31);
+    let (train, ids) = random_layer(&t, 5);
+    let layer = DraftLayer::from_tensors(train.tensors().unwrap(), ids, train.cfg.clone(), &t.model).unwrap();
+    let toks: Vec<u32> = (0..24u32).map(|i| (i * 7 + 3) % t.model.config().vocab_size as u32).collect();
+    let h = selfspec::train::hidden_states(&t, &toks, None).unwrap();
+    let n = toks.len() - 1;
+    let feats = h.narrow(0, 0, n).unwrap();
+    // Three steps of training-time test in one differentiable forward.
+    let embs: Vec<Tensor> = (0..3).map(|s| t.model.embed(&(0..n).map(|r| *toks.get(r + s + 1).unwrap_or(&0)).collect::<Vec<_>>()).unwrap()).collect();
+    let preds = train.forward_unrolled(&feats, &embs).unwrap();
+    // Step 0 = the causal forward over the real pairs.
+    let mut cache = layer.new_cache().unwrap();
+    let out = layer.forward(&feats, &toks[1..], &(0..n).collect::<Vec<_>>(), &TreeMask::causal(n), &mut cache, &t.model).unwrap();
+    let d0 = max_diff(&to_vec(&out), &to_vec(&preds[0]));
+    assert!(d0 < 1e-4, "step 0 differs by {d0}");
+    // Steps 1 and 2 = drafting a chain at inference from anchor a: the real pairs 0..=a in the
+    // cache, then each predicted feature with the next true token.
+    for a in [0usize, 5, 17] {
+        let mut c = layer.new_cache().unwrap();
+        let mut f = layer.forward(&h.narrow(0, 0, a + 1).unwrap(), &toks[1..a + 2], &(0..a + 1).collect::<Vec<_>>(), &TreeMask::causal(a + 1), &mut c, &t.model).unwrap().narrow(0, a, 1).unwrap();
+        for s in 1..3 {
+            f = layer.forward(&f, &[toks[a + s + 1]], &[a + s], &TreeMask::causal(1), &mut c, &t.model).unwrap();
+            let want = preds[s].narrow(0, a, 1).unwrap();
+            let d = max_diff(&to_vec(&f), &to_vec(&want));
+            assert!(d < 1e-4, "anchor {a}, step {s}: differs by {d}");
+        }
+    }
+}
+
+#[test]
+fn drafting_with_a_layer_keeps_greedy_output_exact() {
+    let (_, t) = tiny_gguf("layer-exact", 32);
+    let (train, ids) = random_layer(&t, 6);
+    let layer = DraftLayer::from_tensors(train.tensors().unwrap(), ids, train.cfg.clone(), &t.model).unwrap();
+    let drafter = Drafter::Layer(layer);
+    let params = SamplingParams::greedy();
+    let trees = [
+        TreeChoice::Static(Tree::chain(4)),
+        TreeChoice::Static(Tree::from_paths(&[vec![0], vec![1], vec![2], vec![0, 0], vec![0, 1], vec![1, 0], vec![0, 0, 0]]).unwrap()),
+        TreeChoice::Dynamic(6),
+        TreeChoice::Dynamic(12),
+    ];
+    for (p, prompt) in [vec![1u32, 5, 9, 2], vec![3u32; 9], (0..40u32).collect::<Vec<_>>()].iter().enumerate() {
+        let stop = StopRule { max_new_tokens: 40, eos_ids: &[] };
+        let (plain, _) = generate_plain(&t.model, prompt, &params, &stop, &mut rng(0), &mut |_| Ok(())).unwrap();
+        for tree in &trees {
+            let opts = SpecOptions { tree: tree.clone(), rule: Rule::Greedy, params: params.clone(), stop: StopRule { max_new_tokens: 40, eos_ids: &[] } };
+            let (out, stats) = generate_spec(&t.model, &drafter, prompt, &opts, &mut rng(0), &mut |_| Ok(())).unwrap();
+            assert_eq!(out, plain, "prompt {p}, tree {tree:?}");
+            assert!(stats.gen.target_forwards <= plain.len());
+        }
+    }
+    // A tree deeper than the layer may draft is refused up front.
+    let too_deep = TreeChoice::Static(Tree::chain(selfspec::drafter::LAYER_MAX_DEPTH + 1));
+    assert!(too_deep.validate_for(&drafter).is_err());
+}
+
+/// Repetitive text a layer can learn, every document (so every chunk) different.
+fn corpus() -> Vec<String> {
+    (0..12)
+        .map(|i| {
+            let base = format!("the cat {i} sat on the mat. the dog ran in the sun. then the cat ran after the dog. ");
+            format!("{} {}", base.repeat(3), "the end ".repeat(i % 3 + 1))
+        })
+        .collect()
+}
+
+fn quick_cfg() -> TrainConfig {
+    TrainConfig {
+        draft_layer: true,
+        unroll: 2,
+        epochs: 3,
+        lr: 3e-3,
+        warmup_steps: 2,
+        seq_len: 64,
+        batch_tokens: 128,
+        val_fraction: 0.2,
+        checkpoint_every: 2,
+        draft_vocab: 64,
+        ..Default::default()
+    }
+}
+
+fn run(t: &selfspec::loader::Target, cfg: &TrainConfig, out: &std::path::Path, resume: bool) -> (DraftLayer, selfspec::train::TrainReport) {
+    train_layer(t, &corpus(), cfg, out, resume, None, &mut |_, _, _, _, _| {}, &mut |_| {}).unwrap()
+}
+
+fn saved(l: &DraftLayer, dir: &std::path::Path) -> Vec<(String, Vec<f32>)> {
+    l.save_as(dir, false).unwrap();
+    let m: HashMap<String, Tensor> = candle_core::safetensors::load(dir.join("draft.safetensors"), &Device::Cpu).unwrap();
+    let mut v: Vec<(String, Vec<f32>)> = m.into_iter().map(|(k, t)| (k, to_vec(&t))).collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+#[test]
+fn layer_training_learns_resumes_and_round_trips() {
+    let (_, t) = tiny_gguf("layer-train", 33);
+    let before = to_vec(t.model.lm_head().weight());
+    let (full, rep) = run(&t, &quick_cfg(), &scratch("layer-train-full"), false);
+    let n = rep.losses.len();
+    assert!(n >= 6, "{n} steps");
+    let first: f64 = rep.losses[..3].iter().sum::<f64>() / 3.0;
+    let last: f64 = rep.losses[n - 3..].iter().sum::<f64>() / 3.0;
+    assert!(last < first * 0.9, "loss {first} -> {last}");
+    assert_eq!(before, to_vec(t.model.lm_head().weight()), "the backbone changed during training");
+    assert_eq!(rep.val[0].top1.len(), selfspec::train_layer::VAL_LEVELS);
+
+    // Killed half way and resumed: the same weights as the uninterrupted run.
+    let part = scratch("layer-train-part");
+    let (_, p) = run(&t, &TrainConfig { max_steps: n / 2, ..quick_cfg() }, &part, false);
+    assert_eq!(p.steps, n / 2);
+    let (resumed, _) = run(&t, &quick_cfg(), &part, true);
+    assert_eq!(saved(&full, &scratch("layer-w-full")), saved(&resumed, &scratch("layer-w-resumed")), "resumed weights differ");
+
+    // Files round-trip to the same drafts, through the directory loader that picks the kind.
+    let dir = scratch("layer-train-out");
+    full.save_as(&dir, false).unwrap();
+    let back = match Drafter::from_dir(&dir, &t).unwrap() {
+        Drafter::Layer(l) => l,
+        Drafter::Heads(_) => panic!("a draft.json directory must load as a layer"),
+    };
+    let x = Tensor::randn(0f32, 1., (2, t.model.config().hidden_size), &Device::Cpu).unwrap();
+    assert_eq!(back.top_k(&x, 5).unwrap(), full.top_k(&x, 5).unwrap());
+    assert_eq!(back.draft_vocab(), full.draft_vocab());
+    // Another target is refused, naming both.
+    let (_, other) = tiny_gguf("layer-train-other", 98);
+    let e = DraftLayer::from_dir(&dir, &other).err().expect("must refuse").to_string();
+    assert!(e.contains("trained for") && e.contains("hash"), "{e}");
+    // A damaged weights file names itself.
+    std::fs::write(dir.join("draft.safetensors"), b"not safetensors").unwrap();
+    let e = DraftLayer::from_dir(&dir, &t).err().unwrap().to_string();
+    assert!(e.contains("draft.safetensors"), "{e}");
+    // Bad settings are refused before any work.
+    assert!(TrainConfig { unroll: 0, ..quick_cfg() }.validate().is_err());
+    assert!(TrainConfig { draft_vocab: 0, ..quick_cfg() }.validate().is_err());
+}
