@@ -122,3 +122,33 @@ fn bad_heads_and_trees() {
     assert_eq!(code, 0, "{err}");
     assert!(!out.is_empty() && err.contains("tau") && err.contains("bonus token counted") && err.contains("outputs identical"), "{err}");
 }
+
+/// `train --draft-layer` end to end through the CLI, then the layer drafts for `generate`,
+/// `eval` and `tune`; a Medusa export of a layer is refused with a reason.
+#[test]
+fn draft_layer_through_the_cli() {
+    let (tiny, _) = tiny_gguf("cli-layer", 5);
+    let m = tiny.to_str().unwrap();
+    let dir = scratch("cli-layer-dir");
+    let text = dir.join("corpus.txt");
+    std::fs::write(&text, (0..8).map(|i| format!("the cat {i} sat on the mat and the dog ran in the sun. ").repeat(4) + "\n\n").collect::<String>()).unwrap();
+    let out = dir.join("layer");
+    let os = out.to_str().unwrap();
+    let (code, _, err) = run(&["train", "--model", m, "--data", text.to_str().unwrap(), "--out", os, "--draft-layer", "--unroll", "2", "--epochs", "1", "--seq-len", "32", "--batch-tokens", "64", "--draft-vocab", "64", "--val-fraction", "0.2"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("trained a draft layer") && out.join("draft.json").exists(), "{err}");
+    let (code, _, err) = run(&["generate", "--model", m, "--prompt", "the cat", "--heads", os, "--tree", "dynamic:6", "--max-tokens", "8", "--compare"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("outputs identical") && err.contains("per step: draft"), "{err}");
+    let prompts = dir.join("p.txt");
+    std::fs::write(&prompts, "the cat\nthe dog\n").unwrap();
+    let (code, out_s, err) = run(&["eval", "--model", m, "--heads", os, "--prompts", prompts.to_str().unwrap(), "--tree", "chain:3", "--max-tokens", "8"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out_s.contains("draft layer guesses"), "{out_s}");
+    let tree = dir.join("tree.json");
+    let (code, _, err) = run(&["tune", "--model", m, "--heads", os, "--prompts", prompts.to_str().unwrap(), "--out", tree.to_str().unwrap(), "--max-nodes", "4", "--max-tokens", "8"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(tree.exists());
+    expect_error(&["export-heads", "--model", m, "--heads", os, "--out", dir.join("medusa").to_str().unwrap()], &["draft layer", "Medusa"]);
+    expect_error(&["generate", "--model", m, "--prompt", "the", "--heads", os, "--tree", "chain:9"], &["9 deep", "draft layer"]);
+}

@@ -177,3 +177,30 @@ fn greedy_self_speculation_is_identical_to_plain_greedy() {
         assert!(*f < tokens, "tree {j}: {f} forwards for {tokens} tokens");
     }
 }
+
+/// The committed draft layer on SmolLM2: static and dynamic trees emit exactly plain greedy
+/// decoding, and it really drafts (fewer forwards than tokens).
+#[test]
+fn greedy_speculation_with_the_committed_draft_layer_is_exact() {
+    let t = smollm2();
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/heads/smollm2-layer");
+    let drafter = Drafter::from_dir(&dir, &t).unwrap();
+    assert_eq!(drafter.kind(), "draft layer");
+    let prompts = selfspec::data::read_prompts(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/prompts/eval.jsonl")).unwrap();
+    let params = SamplingParams::greedy();
+    let trees = [TreeChoice::Static(Tree::chain(4)), TreeChoice::Static(Tree::cpu_default()), TreeChoice::Dynamic(10)];
+    let (mut forwards, mut tokens) = (0usize, 0usize);
+    for item in prompts.iter().skip(4).take(6) {
+        let ids = t.encode_prompt(&item.turns[0], true).unwrap();
+        let stop = StopRule { max_new_tokens: 96, eos_ids: &t.tokenizer.eos_ids };
+        let (plain, _) = generate_plain(&t.model, &ids, &params, &stop, &mut rng(0), &mut |_| Ok(())).unwrap();
+        for tree in &trees {
+            let opts = SpecOptions { tree: tree.clone(), rule: Rule::Greedy, params: params.clone(), stop: StopRule { max_new_tokens: 96, eos_ids: &t.tokenizer.eos_ids } };
+            let (spec, stats) = generate_spec(&t.model, &drafter, &ids, &opts, &mut rng(0), &mut |_| Ok(())).unwrap();
+            assert_eq!(spec, plain, "{:?}, tree {tree:?}: output differs from plain greedy", item.turns[0]);
+            forwards += stats.gen.target_forwards;
+            tokens += plain.len();
+        }
+    }
+    assert!(forwards * 5 < tokens * 4, "{forwards} forwards for {tokens} tokens: the layer hardly drafts");
+}
