@@ -147,6 +147,24 @@ pub struct TrainReport {
     pub train_tokens_per_sec: f64,
 }
 
+impl TrainReport {
+    /// The report of a finished run: `data` = (train tokens, held-out tokens, seconds spent on
+    /// hidden states); `tokens_seen` = tokens trained on in this process (for throughput).
+    pub(crate) fn new(data: (usize, usize, f64), steps: usize, losses: &[f64], val: HeadAccuracy, train_secs: f64, tokens_seen: usize) -> Self {
+        TrainReport {
+            train_tokens: data.0,
+            val_tokens: data.1,
+            steps,
+            final_loss: losses.last().copied().unwrap_or(f64::NAN),
+            losses: losses.to_vec(),
+            val: vec![val],
+            hidden_secs: data.2,
+            train_secs,
+            train_tokens_per_sec: tokens_seen as f64 / train_secs.max(1e-9),
+        }
+    }
+}
+
 /// Tokenised chunks of at most `seq_len` tokens; each document starts a new chunk.
 pub fn chunk_documents(target: &Target, docs: &[String], seq_len: usize, min_len: usize) -> Result<Vec<Vec<u32>>> {
     let mut chunks = Vec::new();
@@ -641,17 +659,7 @@ pub fn train(
     }
     let train_secs = t_train.elapsed().as_secs_f64();
     let val = if val_set.is_empty() { HeadAccuracy::default() } else { validate(&heads, target, &val_set)? };
-    let report = TrainReport {
-        train_tokens,
-        val_tokens,
-        steps: step,
-        final_loss: losses.last().copied().unwrap_or(f64::NAN),
-        losses: losses.clone(),
-        val: vec![val],
-        hidden_secs,
-        train_secs,
-        train_tokens_per_sec: tokens_seen as f64 / train_secs.max(1e-9),
-    };
+    let report = TrainReport::new((train_tokens, val_tokens, hidden_secs), step, &losses, val, train_secs, tokens_seen);
     // Trained: now build the inference copies for drafting (they would go stale if built
     // while the weights were still changing).
     let mut heads = heads;
@@ -677,7 +685,7 @@ pub fn frequent_tokens<'a>(chunks: impl Iterator<Item = &'a [u32]>, n: usize, al
     ids
 }
 
-fn fmt(v: &[f64]) -> Vec<String> {
+pub(crate) fn fmt(v: &[f64]) -> Vec<String> {
     v.iter().map(|x| format!("{x:.3}")).collect()
 }
 

@@ -13,7 +13,7 @@ use candle_nn::VarMap;
 
 use crate::draft_layer::{DraftLayer, DraftLayerConfig, TrainLayer};
 use crate::loader::Target;
-use crate::train::{epoch_batches, frequent_tokens, learning_rate, prepare, resume_from, save_checkpoint, AdamW, HeadAccuracy, Prepared, Progress, TrainConfig, TrainReport};
+use crate::train::{epoch_batches, fmt, frequent_tokens, learning_rate, prepare, resume_from, save_checkpoint, AdamW, HeadAccuracy, Prepared, Progress, TrainConfig, TrainReport};
 use crate::{Error, Result};
 
 /// Levels the validation reports (guesses 1..=VAL_LEVELS tokens past the root).
@@ -177,22 +177,8 @@ pub fn train_layer(
     }
     let train_secs = t_train.elapsed().as_secs_f64();
     let val = if val_set.is_empty() { HeadAccuracy::default() } else { validate_layer(&layer, &ids, target, &val_set)? };
-    let report = TrainReport {
-        train_tokens,
-        val_tokens,
-        steps: step,
-        final_loss: losses.last().copied().unwrap_or(f64::NAN),
-        losses: losses.clone(),
-        val: vec![val],
-        hidden_secs,
-        train_secs,
-        train_tokens_per_sec: tokens_seen as f64 / train_secs.max(1e-9),
-    };
+    let report = TrainReport::new((train_tokens, val_tokens, hidden_secs), step, &losses, val, train_secs, tokens_seen);
     let mut trained = DraftLayer::from_tensors(layer.tensors()?, ids, lcfg, &target.model)?;
     trained.set_format(target.model.weight_format())?;
     Ok((trained, report))
-}
-
-fn fmt(v: &[f64]) -> Vec<String> {
-    v.iter().map(|x| format!("{x:.3}")).collect()
 }

@@ -92,15 +92,6 @@ fn drafting_with_a_layer_keeps_greedy_output_exact() {
     assert!(too_deep.validate_for(&drafter).is_err());
 }
 
-/// Repetitive text a layer can learn, every document (so every chunk) different.
-fn corpus() -> Vec<String> {
-    (0..12)
-        .map(|i| {
-            let base = format!("the cat {i} sat on the mat. the dog ran in the sun. then the cat ran after the dog. ");
-            format!("{} {}", base.repeat(3), "the end ".repeat(i % 3 + 1))
-        })
-        .collect()
-}
 
 fn quick_cfg() -> TrainConfig {
     TrainConfig {

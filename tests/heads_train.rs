@@ -7,16 +7,6 @@ use common::*;
 use selfspec::heads::Heads;
 use selfspec::train::{train, LossKind, TrainConfig};
 
-/// Repetitive (so heads can learn it) but with every document, and so every chunk, different:
-/// validation chunks are held out by content.
-fn corpus() -> Vec<String> {
-    (0..12)
-        .map(|i| {
-            let base = format!("the cat {i} sat on the mat. the dog ran in the sun. then the cat ran after the dog. ");
-            format!("{} {}", base.repeat(3), "the end ".repeat(i % 3 + 1))
-        })
-        .collect()
-}
 
 fn quick_cfg() -> TrainConfig {
     TrainConfig {
