@@ -24,13 +24,17 @@ pub fn bench_forward(model: &Llama, context: usize, token_counts: &[usize], reps
     let ctx: Vec<u32> = (0..context.max(1)).map(|i| (i as u32 * 7919 + 13) % vocab).collect();
     let mut cache = model.new_cache()?;
     model.forward_causal(&ctx, &mut cache)?;
-    let mut rows: Vec<BenchRow> = Vec::new();
-    for &t in token_counts {
-        let toks: Vec<u32> = (0..t).map(|i| (i as u32 * 31 + 5) % vocab).collect();
-        let mut times = Vec::with_capacity(reps);
-        for r in 0..reps + 1 {
+    let toks: Vec<Vec<u32>> = token_counts
+        .iter()
+        .map(|&t| (0..t).map(|i| (i as u32 * 31 + 5) % vocab).collect())
+        .collect();
+    // Round-robin over the token counts, so that a machine slowing down or speeding up during the
+    // run (frequent on shared hosts) shifts every count alike and leaves the ratios intact.
+    let mut times = vec![Vec::with_capacity(reps); token_counts.len()];
+    for r in 0..reps + 1 {
+        for (toks, times) in toks.iter().zip(times.iter_mut()) {
             let t0 = Instant::now();
-            let h = model.forward_causal(&toks, &mut cache)?;
+            let h = model.forward_causal(toks, &mut cache)?;
             let l = model.logits(&h)?;
             let _ = l.sum_all()?.to_scalar::<f32>()?;
             let dt = t0.elapsed().as_secs_f64() * 1e3;
@@ -39,6 +43,9 @@ pub fn bench_forward(model: &Llama, context: usize, token_counts: &[usize], reps
                 times.push(dt);
             }
         }
+    }
+    let mut rows: Vec<BenchRow> = Vec::new();
+    for (&t, mut times) in token_counts.iter().zip(times) {
         times.sort_by(|a, b| a.partial_cmp(b).unwrap());
         rows.push(BenchRow { tokens: t, median_ms: times[times.len() / 2], ratio: 0.0 });
     }

@@ -611,23 +611,24 @@ impl CustomOp3 for TreeAttention {
         let mask = &self.mask;
         let scale = self.scale;
         let isa = isa();
-        // One task per (row, key/value head): the query heads sharing that K/V head (grouped-
-        // query attention) read each key and value row once between them.
-        out.par_chunks_mut(group * d).enumerate().for_each_init(
-            || (Vec::<f32>::new(), Vec::<usize>::new()),
+        // One task per (row, query head): with 2-16 cores, nine tasks for a single decoded token
+        // spread far more evenly than three (one per K/V head); the K/V rows a group of heads
+        // shares are read from cache by the second and third head.
+        out.par_chunks_mut(d).enumerate().for_each_init(
+            || (Scratch::default(), Vec::<usize>::new()),
             |(scores, keys), (task, o)| {
-                let (i, kvh) = (task / hkv, task % hkv);
-                let q0 = (i * h + kvh * group) * d;
+                let (i, hh) = (task / h, task % h);
                 keys.clear();
                 keys.extend(0..prefix);
                 keys.extend((0..t).filter(|&j| mask.sees(i, j)).map(|j| prefix + j));
-                let args = AttendRow { q: &q[q0..q0 + group * d], k, v, keys, hkv, kvh, d, group, scale };
+                let q0 = (i * h + hh) * d;
+                let args = AttendHead { q: &q[q0..q0 + d], k, v, keys, hkv, kvh: hh / group, d, scale };
                 match isa {
                     #[cfg(target_arch = "x86_64")]
-                    Isa::Avx512 => unsafe { attend_row_avx512(&args, scores, o) },
+                    Isa::Avx512 if d % LANES == 0 && d <= attend512::MAX_D => unsafe { attend512::attend_head(&args, scores, o) },
                     #[cfg(target_arch = "x86_64")]
-                    Isa::Avx2 => unsafe { attend_row_fma(&args, scores, o) },
-                    _ => attend_row(&args, scores, o),
+                    Isa::Avx512 | Isa::Avx2 => unsafe { attend_head_fma(&args, scores, o) },
+                    _ => attend_head(&args, scores, o),
                 }
             },
         );
@@ -635,17 +636,32 @@ impl CustomOp3 for TreeAttention {
     }
 }
 
-struct AttendRow<'a> {
-    /// The `group` query vectors (`[group][d]`) that share K/V head `kvh`.
+/// Per-thread buffers of the attention tasks.
+#[derive(Default)]
+struct Scratch {
+    scores: Vec<f32>,
+    chains: Vec<f32>,
+}
+
+/// One query head of one row and the K/V it reads.
+struct AttendHead<'a> {
     q: &'a [f32],
     k: &'a [f32],
     v: &'a [f32],
+    /// Visible slots, increasing.
     keys: &'a [usize],
     hkv: usize,
     kvh: usize,
     d: usize,
-    group: usize,
     scale: f32,
+}
+
+impl AttendHead<'_> {
+    #[inline(always)]
+    fn row(&self, slot: usize) -> std::ops::Range<usize> {
+        let s = (slot * self.hkv + self.kvh) * self.d;
+        s..s + self.d
+    }
 }
 
 /// `e^x` for x <= 0 (softmax after subtracting the max), within ~2 ulp: Cody-Waite range
@@ -653,81 +669,217 @@ struct AttendRow<'a> {
 /// the same bits on every instruction-set path and vectorises (libm's expf is a call per value).
 #[inline(always)]
 fn exp_nonpositive(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    const MAGIC: f32 = 12582912.0; // 1.5 * 2^23: adding it rounds to an integer
-    let x = x.max(-87.0);
+    let x = x.max(EXP_MIN);
     let n = (x * LOG2E + MAGIC) - MAGIC;
     let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, x));
-    let mut p = 1.987_569_1e-4f32;
-    p = p.mul_add(r, 1.398_199_9e-3);
-    p = p.mul_add(r, 8.333_452e-3);
-    p = p.mul_add(r, 4.166_579_6e-2);
-    p = p.mul_add(r, 1.666_666_5e-1);
-    p = p.mul_add(r, 5e-1);
+    let mut p = EXP_POLY[0];
+    for &c in &EXP_POLY[1..] {
+        p = p.mul_add(r, c);
+    }
     let e = (r * r).mul_add(p, r) + 1.0;
     e * f32::from_bits(((n as i32 + 127) as u32) << 23)
 }
+const EXP_MIN: f32 = -87.0;
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+const LN2_HI: f32 = 0.693_359_4;
+const LN2_LO: f32 = -2.121_944_4e-4;
+/// 1.5 * 2^23: adding it rounds to an integer.
+const MAGIC: f32 = 12582912.0;
+const EXP_POLY: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5e-1];
 
-/// The query heads of one row that share a K/V head: scores over `keys` in slot order, softmax,
-/// weighted sum of V. Each head's arithmetic is the same whatever the number of rows or heads.
+/// Attention for one query head over `keys` in slot order. The reference for the SIMD path:
+/// scores are `dot_fixed * scale`, the softmax sum runs in 16 interleaved lanes and then the
+/// pairwise tree, the output is four fused multiply-add chains per element (key jj feeds chain jj % 4), summed
+/// pairwise.
+/// None of it depends on how many rows or heads the call holds.
 #[inline(always)]
-fn attend_row(a: &AttendRow, scores: &mut Vec<f32>, o: &mut [f32]) {
-    let (d, hkv, kvh, g) = (a.d, a.hkv, a.kvh, a.group);
+fn attend_head(a: &AttendHead, scratch: &mut Scratch, o: &mut [f32]) {
     let n = a.keys.len();
+    let Scratch { scores, chains } = scratch;
     scores.clear();
-    scores.resize(g * n, 0.0);
-    for (jj, &j) in a.keys.iter().enumerate() {
-        let kv = &a.k[(j * hkv + kvh) * d..(j * hkv + kvh + 1) * d];
-        for hh in 0..g {
-            scores[hh * n + jj] = dot_fixed(&a.q[hh * d..(hh + 1) * d], kv) * a.scale;
+    scores.extend(a.keys.iter().map(|&j| dot_fixed(a.q, &a.k[a.row(j)]) * a.scale));
+    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+    let mut lanes = [0f32; LANES];
+    for (jj, sc) in scores.iter_mut().enumerate() {
+        *sc = exp_nonpositive(*sc - max);
+        lanes[jj % LANES] += *sc;
+    }
+    let inv = 1.0 / reduce_lanes(lanes);
+    // Key jj goes to chain jj % V_CHAINS: independent chains keep the FMA units busy, and the
+    // assignment depends only on the key's place in this row's own list.
+    chains.clear();
+    chains.resize(V_CHAINS * a.d, 0.0);
+    for jj in 0..n {
+        let p = scores[jj];
+        let acc = &mut chains[(jj % V_CHAINS) * a.d..(jj % V_CHAINS + 1) * a.d];
+        for (o, &x) in acc.iter_mut().zip(&a.v[a.row(a.keys[jj])]) {
+            *o = p.mul_add(x, *o);
         }
     }
-    let mut inv = [0f32; 16];
-    let mut inv_big = Vec::new();
-    let inv: &mut [f32] = if g <= 16 { &mut inv[..g] } else { inv_big.resize(g, 0.0); &mut inv_big };
-    for hh in 0..g {
-        let row = &mut scores[hh * n..(hh + 1) * n];
-        let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-        for sc in row.iter_mut() {
-            *sc = exp_nonpositive(*sc - max);
-        }
-        let mut sum = 0f32;
-        for &sc in row.iter() {
-            sum += sc;
-        }
-        inv[hh] = 1.0 / sum;
-    }
-    o.fill(0.0);
-    for (jj, &j) in a.keys.iter().enumerate() {
-        let vv = &a.v[(j * hkv + kvh) * d..(j * hkv + kvh + 1) * d];
-        for hh in 0..g {
-            let p = scores[hh * n + jj];
-            for (o, &x) in o[hh * d..(hh + 1) * d].iter_mut().zip(vv) {
-                *o = p.mul_add(x, *o);
-            }
-        }
-    }
-    for hh in 0..g {
-        for o in o[hh * d..(hh + 1) * d].iter_mut() {
-            *o *= inv[hh];
-        }
+    for (e, o) in o.iter_mut().enumerate() {
+        let c = |i: usize| chains[i * a.d + e];
+        *o = ((c(0) + c(1)) + (c(2) + c(3))) * inv;
     }
 }
+
+/// Interleaved accumulation chains for the attention output (see `attend_head`).
+const V_CHAINS: usize = 4;
 
 /// The same code compiled with hardware FMA (identical results, as FMA is exactly rounded).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn attend_row_fma(a: &AttendRow, scores: &mut Vec<f32>, o: &mut [f32]) {
-    attend_row(a, scores, o)
+unsafe fn attend_head_fma(a: &AttendHead, scores: &mut Scratch, o: &mut [f32]) {
+    attend_head(a, scores, o)
 }
 
-/// And with AVX-512 (again identical results: same operations, wider registers).
+/// AVX-512 attention for head sizes that are a multiple of 16: the same arithmetic as
+/// `attend_head`, bit for bit, but 16 keys' scores at a time (one accumulator per key, then a
+/// transposing reduction that performs the pairwise tree of `reduce_lanes` for all 16 at once),
+/// a vector exp, and the output accumulated in registers.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,fma")]
-unsafe fn attend_row_avx512(a: &AttendRow, scores: &mut Vec<f32>, o: &mut [f32]) {
-    attend_row(a, scores, o)
+mod attend512 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// Larger heads take the portable path.
+    pub const MAX_D: usize = 128;
+
+    /// Lane `l` of the result is `reduce_lanes(a[l])`: the tree (l + 8, + 4, + 2, + 1) is done for
+    /// all sixteen vectors together. Each step adds the same pairs as the scalar tree.
+    #[inline(always)]
+    unsafe fn reduce16(a: &[__m512; 16]) -> __m512 {
+        let mut s1 = [_mm512_setzero_ps(); 8];
+        for p in 0..8 {
+            // [a.q0, a.q1, b.q0, b.q1] + [a.q2, a.q3, b.q2, b.q3]: lanes l and l + 8.
+            let lo = _mm512_shuffle_f32x4::<0b01_00_01_00>(a[2 * p], a[2 * p + 1]);
+            let hi = _mm512_shuffle_f32x4::<0b11_10_11_10>(a[2 * p], a[2 * p + 1]);
+            s1[p] = _mm512_add_ps(lo, hi);
+        }
+        let mut s2 = [_mm512_setzero_ps(); 4];
+        for r in 0..4 {
+            // Quarter pairs: lanes l and l + 4 of each of four vectors.
+            let lo = _mm512_shuffle_f32x4::<0b10_00_10_00>(s1[2 * r], s1[2 * r + 1]);
+            let hi = _mm512_shuffle_f32x4::<0b11_01_11_01>(s1[2 * r], s1[2 * r + 1]);
+            s2[r] = _mm512_add_ps(lo, hi);
+        }
+        let mut s3 = [_mm512_setzero_ps(); 2];
+        for u in 0..2 {
+            // Within each 128-bit quarter: lanes l and l + 2.
+            let lo = _mm512_shuffle_ps::<0b01_00_01_00>(s2[2 * u], s2[2 * u + 1]);
+            let hi = _mm512_shuffle_ps::<0b11_10_11_10>(s2[2 * u], s2[2 * u + 1]);
+            s3[u] = _mm512_add_ps(lo, hi);
+        }
+        // Lanes l and l + 1. Lane 4q + i now holds vector q + 4i.
+        let lo = _mm512_shuffle_ps::<0b10_00_10_00>(s3[0], s3[1]);
+        let hi = _mm512_shuffle_ps::<0b11_01_11_01>(s3[0], s3[1]);
+        let sums = _mm512_add_ps(lo, hi);
+        let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        _mm512_permutexvar_ps(order, sums)
+    }
+
+    /// `exp_nonpositive` on 16 values with the same operations in the same order.
+    #[inline(always)]
+    unsafe fn exp16(x: __m512) -> __m512 {
+        let x = _mm512_max_ps(x, _mm512_set1_ps(EXP_MIN));
+        let magic = _mm512_set1_ps(MAGIC);
+        let n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)), magic), magic);
+        let r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_LO), _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_HI), x));
+        let mut p = _mm512_set1_ps(EXP_POLY[0]);
+        for &c in &EXP_POLY[1..] {
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+        }
+        let e = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(r, r), p, r), _mm512_set1_ps(1.0));
+        let bits = _mm512_slli_epi32::<23>(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)));
+        _mm512_mul_ps(e, _mm512_castsi512_ps(bits))
+    }
+
+    #[inline(always)]
+    fn tail_mask(live: usize) -> __mmask16 {
+        if live >= 16 { 0xffff } else { ((1u32 << live) - 1) as __mmask16 }
+    }
+
+    /// Dispatches on the head size so that the per-head vectors live in registers.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn attend_head(a: &AttendHead, scratch: &mut Scratch, o: &mut [f32]) {
+        let scores = &mut scratch.scores;
+        match a.d / LANES {
+            1 => head::<1>(a, scores, o),
+            2 => head::<2>(a, scores, o),
+            3 => head::<3>(a, scores, o),
+            4 => head::<4>(a, scores, o),
+            5 => head::<5>(a, scores, o),
+            6 => head::<6>(a, scores, o),
+            7 => head::<7>(a, scores, o),
+            8 => head::<8>(a, scores, o),
+            _ => super::attend_head(a, scratch, o),
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn head<const C: usize>(a: &AttendHead, scores: &mut Vec<f32>, o: &mut [f32]) {
+        let n = a.keys.len();
+        let mut qv = [_mm512_setzero_ps(); C];
+        for (c, q) in qv.iter_mut().enumerate() {
+            *q = _mm512_loadu_ps(a.q.as_ptr().add(c * LANES));
+        }
+        scores.clear();
+        scores.resize(n.next_multiple_of(LANES), 0.0);
+        let (kp, sp) = (a.k.as_ptr(), scores.as_mut_ptr());
+        let scale = _mm512_set1_ps(a.scale);
+        let mut maxv = _mm512_set1_ps(f32::NEG_INFINITY);
+        for b in (0..n).step_by(LANES) {
+            let live = (n - b).min(LANES);
+            let mut acc = [_mm512_setzero_ps(); 16];
+            let mut rows = [kp; 16];
+            for u in 0..live {
+                rows[u] = kp.add(a.row(a.keys[b + u]).start);
+            }
+            for (c, q) in qv.iter().enumerate() {
+                for u in 0..16 {
+                    acc[u] = _mm512_fmadd_ps(*q, _mm512_loadu_ps(rows[u].add(c * LANES)), acc[u]);
+                }
+            }
+            let s = _mm512_mul_ps(reduce16(&acc), scale);
+            let m = tail_mask(live);
+            _mm512_mask_storeu_ps(sp.add(b), m, s);
+            maxv = _mm512_mask_max_ps(maxv, m, maxv, s);
+        }
+        let max = _mm512_set1_ps(_mm512_reduce_max_ps(maxv));
+        let mut lanes = _mm512_setzero_ps();
+        for b in (0..n).step_by(LANES) {
+            let m = tail_mask(n - b);
+            let e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sp.add(b)), max));
+            _mm512_mask_storeu_ps(sp.add(b), m, e);
+            lanes = _mm512_mask_add_ps(lanes, m, lanes, e);
+        }
+        let mut l = [0f32; LANES];
+        _mm512_storeu_ps(l.as_mut_ptr(), lanes);
+        let inv = _mm512_set1_ps(1.0 / reduce_lanes(l));
+        let mut acc = [[_mm512_setzero_ps(); C]; V_CHAINS];
+        let vp = a.v.as_ptr();
+        let mut jj = 0;
+        while jj + V_CHAINS <= n {
+            for (ch, acc) in acc.iter_mut().enumerate() {
+                let p = _mm512_set1_ps(*sp.add(jj + ch));
+                let row = vp.add(a.row(a.keys[jj + ch]).start);
+                for (c, acc) in acc.iter_mut().enumerate() {
+                    *acc = _mm512_fmadd_ps(p, _mm512_loadu_ps(row.add(c * LANES)), *acc);
+                }
+            }
+            jj += V_CHAINS;
+        }
+        for (ch, acc) in acc.iter_mut().enumerate().take(n - jj) {
+            let p = _mm512_set1_ps(*sp.add(jj + ch));
+            let row = vp.add(a.row(a.keys[jj + ch]).start);
+            for (c, acc) in acc.iter_mut().enumerate() {
+                *acc = _mm512_fmadd_ps(p, _mm512_loadu_ps(row.add(c * LANES)), *acc);
+            }
+        }
+        for c in 0..C {
+            let s = _mm512_add_ps(_mm512_add_ps(acc[0][c], acc[1][c]), _mm512_add_ps(acc[2][c], acc[3][c]));
+            _mm512_storeu_ps(o.as_mut_ptr().add(c * LANES), _mm512_mul_ps(s, inv));
+        }
+    }
 }
 
 #[cfg(test)]
@@ -795,6 +947,37 @@ mod tests {
         assert!(worst < 5e-7, "relative error {worst}");
         assert_eq!(exp_nonpositive(0.0), 1.0);
         assert!(exp_nonpositive(-1000.0) >= 0.0 && exp_nonpositive(-1000.0) < 1e-37);
+    }
+
+    #[test]
+    fn simd_attention_matches_the_reference_bit_for_bit() {
+        let (hkv, d) = (3, 64);
+        let slots = 70;
+        let k = rand_vec(slots * hkv * d, 5);
+        let v = rand_vec(slots * hkv * d, 6);
+        let q = rand_vec(d, 7).iter().map(|x| x * 8.0).collect::<Vec<_>>();
+        for n in [1, 15, 16, 17, 40, 70] {
+            // Every other slot past 10 is masked, as a tree node skips its siblings.
+            let keys: Vec<usize> = (0..slots).filter(|&j| j < 10 || j % 2 == 0).take(n).collect();
+            let a = AttendHead { q: &q, k: &k, v: &v, keys: &keys, hkv, kvh: 1, d, scale: 0.125 };
+            let (mut s1, mut s2) = (Scratch::default(), Scratch::default());
+            let mut want = vec![0f32; d];
+            attend_head(&a, &mut s1, &mut want);
+            // Against f64 softmax attention.
+            let sc: Vec<f64> = keys.iter().map(|&j| (0..d).map(|e| q[e] as f64 * k[(j * hkv + 1) * d + e] as f64).sum::<f64>() * 0.125).collect();
+            let mx = sc.iter().cloned().fold(f64::MIN, f64::max);
+            let z: f64 = sc.iter().map(|s| (s - mx).exp()).sum();
+            for e in 0..d {
+                let r: f64 = keys.iter().zip(&sc).map(|(&j, s)| (s - mx).exp() / z * v[(j * hkv + 1) * d + e] as f64).sum();
+                assert!((r - want[e] as f64).abs() < 1e-5, "n={n} dim {e}: {r} vs {}", want[e]);
+            }
+            #[cfg(target_arch = "x86_64")]
+            if isa() == Isa::Avx512 {
+                let mut got = vec![0f32; d];
+                unsafe { attend512::attend_head(&a, &mut s2, &mut got) };
+                assert_eq!(got, want, "AVX-512 attention differs from the reference for {n} keys");
+            }
+        }
     }
 
     #[test]
