@@ -58,9 +58,58 @@ pub struct DistillRecord {
     pub new_tokens: usize,
 }
 
+/// A training document and the byte ranges of it whose tokens the drafter should learn to guess.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Document {
+    pub text: String,
+    /// `None`: every token (plain text). For a rendered conversation, the assistant's answers
+    /// only: the chat template and system prompt recur in every record, are trivially
+    /// predictable, and would otherwise dominate the loss and inflate the held-out accuracy.
+    pub scored: Option<Vec<std::ops::Range<usize>>>,
+}
+
+impl Document {
+    pub fn plain(text: impl Into<String>) -> Self {
+        Document { text: text.into(), scored: None }
+    }
+
+    /// A rendered conversation, scoring the assistant turns: each answer is looked up in the
+    /// rendered text after everything before it (the rendering of the earlier messages, which
+    /// chat templates keep as a prefix). When a template rewrites an answer so it cannot be
+    /// found, the whole text is scored, as for plain text.
+    pub fn conversation(messages: &[Message], render: &dyn Fn(&[Message]) -> Result<String>) -> Result<Self> {
+        let text = render(messages)?;
+        let mut spans = Vec::new();
+        let mut pos = 0;
+        for (i, m) in messages.iter().enumerate().filter(|(_, m)| m.role == "assistant") {
+            let answer = m.content.trim();
+            if answer.is_empty() {
+                continue;
+            }
+            let before = render(&messages[..i])?;
+            if text.starts_with(&before) {
+                pos = pos.max(before.len());
+            }
+            match text[pos..].find(answer) {
+                Some(at) => {
+                    spans.push(pos + at..pos + at + answer.len());
+                    pos += at + answer.len();
+                }
+                None => return Ok(Document { text, scored: None }),
+            }
+        }
+        Ok(Document { text, scored: Some(spans) })
+    }
+
+    /// Whether the token starting at byte `offset` is scored.
+    pub fn scores(&self, offset: usize) -> bool {
+        self.scored.as_ref().is_none_or(|s| s.iter().any(|r| r.contains(&offset)))
+    }
+}
+
 /// Training documents from text files, directories of text files, and distill JSONL
 /// (conversations rendered through `render`, so they look like inference-time text).
-pub fn read_corpus(paths: &[PathBuf], render: &dyn Fn(&[Message]) -> Result<String>) -> Result<Vec<String>> {
+pub fn read_corpus(paths: &[PathBuf], render: &dyn Fn(&[Message]) -> Result<String>) -> Result<Vec<Document>> {
     let mut files = Vec::new();
     for p in paths {
         collect_files(p, &mut files)?;
@@ -73,19 +122,19 @@ pub fn read_corpus(paths: &[PathBuf], render: &dyn Fn(&[Message]) -> Result<Stri
             for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
                 let v: serde_json::Value = serde_json::from_str(line).map_err(|e| Error::bad_file(f, format!("line {}: invalid JSON: {e}", i + 1)))?;
                 if let Some(t) = v.get("text").and_then(|t| t.as_str()) {
-                    docs.push(t.to_string());
+                    docs.push(Document::plain(t));
                 } else if v.get("messages").is_some() {
                     let r: DistillRecord = serde_json::from_value(v).map_err(|e| Error::bad_file(f, format!("line {}: {e}", i + 1)))?;
-                    docs.push(render(&r.messages)?);
+                    docs.push(Document::conversation(&r.messages, render)?);
                 } else {
                     return Err(Error::bad_file(f, format!("line {}: expected \"text\" or \"messages\"", i + 1)));
                 }
             }
         } else if !text.trim().is_empty() {
-            docs.push(text);
+            docs.push(Document::plain(text));
         }
     }
-    if docs.iter().all(|d| d.trim().is_empty()) {
+    if docs.iter().all(|d| d.text.trim().is_empty()) {
         let names: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
         return Err(Error::bad_file(names.join(", "), "empty corpus: no text to train on"));
     }
@@ -130,5 +179,26 @@ mod tests {
         let empty = d.join("empty.txt");
         std::fs::write(&empty, "  \n").unwrap();
         assert!(read_corpus(&[empty], &|_| Ok(String::new())).unwrap_err().to_string().contains("empty corpus"));
+    }
+
+    #[test]
+    fn conversations_score_only_the_answers() {
+        let msg = |role: &str, content: &str| Message { role: role.into(), content: content.into() };
+        let render = |m: &[Message]| -> Result<String> { Ok(m.iter().map(|x| format!("<{}>{}</>", x.role, x.content)).collect()) };
+        let conv = [msg("system", "be nice"), msg("user", "say hi"), msg("assistant", " hi "), msg("user", "hi again"), msg("assistant", "hi")];
+        let d = Document::conversation(&conv, &render).unwrap();
+        // "hi" in "say hi" and "hi again" is not scored: each answer is found after the previous one.
+        let spans = d.scored.clone().unwrap();
+        assert_eq!(spans.len(), 2);
+        assert_eq!(&d.text[spans[0].clone()], "hi");
+        assert_eq!(&d.text[spans[1].clone()], "hi");
+        assert!(spans[0].start > d.text.find("say hi").unwrap() + 4);
+        assert!(spans[1].start > d.text.find("hi again").unwrap() + 2);
+        assert!(d.scores(spans[1].start) && !d.scores(0) && !d.scores(d.text.find("hi again").unwrap()));
+        // A template that rewrites the answer: everything is scored.
+        let upper = |m: &[Message]| -> Result<String> { Ok(m.iter().map(|x| x.content.to_uppercase()).collect()) };
+        let d = Document::conversation(&conv, &upper).unwrap();
+        assert!(d.scored.is_none() && d.scores(0));
+        assert!(Document::plain("x").scores(0));
     }
 }

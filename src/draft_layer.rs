@@ -28,6 +28,61 @@ use crate::{Error, Result};
 pub const LAYER_WEIGHTS_FILE: &str = "draft.safetensors";
 pub const LAYER_CONFIG_FILE: &str = "draft.json";
 
+/// How `save_as` stores the weights. Q8 keeps a committed layer at about a quarter of its f32
+/// size (blocks of 32 values, one f16 scale each, as GGUF's Q8_0); drafts need not be exact, so
+/// the rounding costs no correctness, only a hair of accuracy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreFormat {
+    F32,
+    F16,
+    Q8,
+}
+
+const Q8_BLOCK: usize = 32;
+const Q8_SUFFIX: &str = ".q8";
+const Q8_SCALE_SUFFIX: &str = ".q8scale";
+
+/// Matrices whose rows split into whole blocks, as (codes + 128 in u8, f16 scale per block).
+fn quantize_q8(t: &Tensor) -> Result<Option<(Tensor, Tensor)>> {
+    let (rows, cols) = match t.dims() {
+        &[r, c] if c % Q8_BLOCK == 0 => (r, c),
+        _ => return Ok(None),
+    };
+    let v: Vec<f32> = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+    let mut codes = Vec::with_capacity(v.len());
+    let mut scales = Vec::with_capacity(v.len() / Q8_BLOCK);
+    for block in v.chunks(Q8_BLOCK) {
+        let amax = block.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let d = half::f16::from_f32(amax / 127.0);
+        let inv = if d.to_f32() > 0.0 { 1.0 / d.to_f32() } else { 0.0 };
+        codes.extend(block.iter().map(|x| ((x * inv).round().clamp(-127.0, 127.0) as i32 + 128) as u8));
+        scales.push(d);
+    }
+    let device = t.device();
+    Ok(Some((Tensor::from_vec(codes, (rows, cols), device)?, Tensor::from_vec(scales, (rows, cols / Q8_BLOCK), device)?)))
+}
+
+/// Turn stored Q8 pairs back into f32 tensors under their own names; other tensors pass through.
+fn dequantize_stored(mut ts: HashMap<String, Tensor>) -> std::result::Result<HashMap<String, Tensor>, String> {
+    let names: Vec<String> = ts.keys().filter_map(|k| k.strip_suffix(Q8_SUFFIX).map(str::to_string)).collect();
+    for n in names {
+        let q = ts.remove(&format!("{n}{Q8_SUFFIX}")).expect("listed above");
+        let scale = ts.remove(&format!("{n}{Q8_SCALE_SUFFIX}")).ok_or_else(|| format!("{n}: 8-bit codes without their scales"))?;
+        let (rows, cols) = q.dims2().map_err(|e| format!("{n}: {e}"))?;
+        if q.dtype() != DType::U8 || scale.dims() != [rows, cols / Q8_BLOCK] || cols % Q8_BLOCK != 0 {
+            return Err(format!("{n}: 8-bit codes {:?} {:?} do not match scales {:?}", q.dtype(), q.dims(), scale.dims()));
+        }
+        let w = (|| -> candle_core::Result<Tensor> {
+            let codes = (q.to_dtype(DType::F32)? - 128.0)?.reshape((rows, cols / Q8_BLOCK, Q8_BLOCK))?;
+            let s = scale.to_dtype(DType::F32)?.unsqueeze(2)?;
+            codes.broadcast_mul(&s)?.reshape((rows, cols))
+        })()
+        .map_err(|e| format!("{n}: {e}"))?;
+        ts.insert(n, w);
+    }
+    Ok(ts)
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DraftLayerConfig {
     /// The layer as a one-layer Llama whose vocabulary is the draft vocabulary.
@@ -135,7 +190,8 @@ impl DraftLayer {
             return Err(Error::HeadsMismatch { heads: dir.to_path_buf(), heads_target: cfg.target.to_string(), model_target: fp.to_string() });
         }
         cfg.layer.validate().map_err(|e| Error::bad_file(&cfg_path, e))?;
-        let mut ts = candle_core::safetensors::load(&w_path, &Device::Cpu).map_err(|e| Error::bad_file(&w_path, format!("not a readable safetensors file: {e}")))?;
+        let ts = candle_core::safetensors::load(&w_path, &Device::Cpu).map_err(|e| Error::bad_file(&w_path, format!("not a readable safetensors file: {e}")))?;
+        let mut ts = dequantize_stored(ts).map_err(|e| Error::bad_file(&w_path, e))?;
         let ids = ts.remove("draft_vocab").ok_or_else(|| Error::bad_file(&w_path, "no draft_vocab tensor"))?;
         let ids: Vec<u32> = ids.to_dtype(DType::F32)?.to_vec1::<f32>()?.into_iter().map(|x| x as u32).collect();
         let mut layer = Self::from_tensors(ts, ids, cfg, &target.model).map_err(|e| Error::bad_file(&w_path, e.to_string()))?;
@@ -143,12 +199,29 @@ impl DraftLayer {
         Ok(layer)
     }
 
-    /// Write `draft.safetensors` (f16 with `half`) and `draft.json` into `dir`, each atomically.
-    pub fn save_as(&self, dir: &Path, half: bool) -> Result<()> {
+    /// Write `draft.safetensors` (weights stored as `store` says) and `draft.json` into `dir`,
+    /// each atomically.
+    pub fn save_as(&self, dir: &Path, store: StoreFormat) -> Result<()> {
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
         let mut ts: HashMap<String, Tensor> = HashMap::new();
         for (n, t) in &self.tensors {
-            ts.insert(n.clone(), if half { t.to_dtype(DType::F16)? } else { t.clone() });
+            match store {
+                StoreFormat::F32 => {
+                    ts.insert(n.clone(), t.clone());
+                }
+                StoreFormat::F16 => {
+                    ts.insert(n.clone(), t.to_dtype(DType::F16)?);
+                }
+                StoreFormat::Q8 => match quantize_q8(t)? {
+                    Some((q, scale)) => {
+                        ts.insert(format!("{n}{Q8_SUFFIX}"), q);
+                        ts.insert(format!("{n}{Q8_SCALE_SUFFIX}"), scale);
+                    }
+                    None => {
+                        ts.insert(n.clone(), t.to_dtype(DType::F16)?);
+                    }
+                },
+            }
         }
         let v: Vec<f32> = self.ids.iter().map(|&i| i as f32).collect();
         ts.insert("draft_vocab".into(), Tensor::from_vec(v, self.ids.len(), &Device::Cpu)?);

@@ -10,7 +10,7 @@ use crate::generate::{generate_plain, StopRule};
 use crate::drafter::Drafter;
 use crate::loader::Target;
 use crate::sampling::{rng, SamplingParams};
-use crate::spec::{generate_spec, SpecOptions, SpecStats, TreeChoice};
+use crate::spec::{generate_spec, Plan, SpecOptions, SpecStats};
 use crate::tokenizer::Message;
 use crate::tree::Tree;
 use crate::verify::Rule;
@@ -46,6 +46,8 @@ pub struct Summary {
     pub head_top1: Vec<f64>,
     pub head_top5: Vec<f64>,
     pub mean_tree_nodes: f64,
+    /// Tokens per target forward that came from the context lookup's branch (included in τ).
+    pub copied_per_forward: f64,
     /// Greedy only: every output identical to plain decoding.
     pub all_identical: Option<bool>,
 }
@@ -83,12 +85,14 @@ pub fn summarise(turns: &[&TurnResult], tree: usize) -> Summary {
     let mut head: Vec<(usize, usize, usize)> = Vec::new();
     let mut nodes: Vec<(usize, usize)> = Vec::new();
     let mut nodes_total = 0;
+    let mut copied = 0;
     let mut identical = None;
     for t in turns {
         let st = &t.spec[tree];
         s.new_tokens += st.gen.new_tokens.saturating_sub(1);
         s.target_forwards += st.gen.target_forwards;
         nodes_total += st.tree_nodes_total;
+        copied += st.lookup_accepted;
         if s.accept_hist.len() < st.accept_hist.len() {
             s.accept_hist.resize(st.accept_hist.len(), 0);
         }
@@ -122,12 +126,13 @@ pub fn summarise(turns: &[&TurnResult], tree: usize) -> Summary {
     s.head_top1 = head.iter().map(|a| a.1 as f64 / a.0.max(1) as f64).collect();
     s.head_top5 = head.iter().map(|a| a.2 as f64 / a.0.max(1) as f64).collect();
     s.mean_tree_nodes = nodes_total as f64 / s.target_forwards.max(1) as f64;
+    s.copied_per_forward = copied as f64 / s.target_forwards.max(1) as f64;
     s.all_identical = identical;
     s
 }
 
 pub struct EvalOptions<'a> {
-    pub trees: Vec<(String, TreeChoice)>,
+    pub trees: Vec<(String, Plan)>,
     pub params: SamplingParams,
     pub max_tokens: usize,
     pub seed: u64,
@@ -160,8 +165,8 @@ pub fn evaluate(target: &Target, drafter: &Drafter, prompts: &[PromptItem], opts
             let (plain_out, plain) = generate_plain(&target.model, &ids, &opts.params, &stop, &mut rng(seed), &mut |_| Ok(()))?;
             let mut specs = Vec::new();
             let mut identical = Vec::new();
-            for (j, (_, tree)) in opts.trees.iter().enumerate() {
-                let so = SpecOptions { tree: tree.clone(), rule, params: opts.params.clone(), stop: StopRule { max_new_tokens: opts.max_tokens, eos_ids: &eos } };
+            for (j, (_, plan)) in opts.trees.iter().enumerate() {
+                let so = SpecOptions { tree: plan.tree.clone(), lookup: plan.lookup, rule, params: opts.params.clone(), stop: StopRule { max_new_tokens: opts.max_tokens, eos_ids: &eos } };
                 let (out, st) = generate_spec(&target.model, drafter, &ids, &so, &mut rng(seed), &mut |_| Ok(()))?;
                 identical.push(if greedy { Some(out == plain_out) } else { None });
                 if pi == 0 && ti == 0 && j == 0 {
@@ -248,13 +253,15 @@ pub fn to_markdown(r: &EvalReport) -> String {
         r.turns.len()
     ));
     m.push_str("τ = tokens emitted per target forward, the bonus token counted (plain decoding = 1.0). Speed-up = median self-speculative tok/s / median plain tok/s, measured alternately in this run.\n\n");
-    m.push_str("| tree | mean nodes | τ | spec tok/s | plain tok/s | speed-up | identical to plain |\n|---|---|---|---|---|---|---|\n");
+    m.push_str("Copied = accepted tokens per forward from the context-lookup branch (`+lookup`), part of τ.\n\n");
+    m.push_str("| tree | mean nodes | τ | copied | spec tok/s | plain tok/s | speed-up | identical to plain |\n|---|---|---|---|---|---|---|---|\n");
     for (name, s) in r.trees.iter().zip(&r.overall) {
         m.push_str(&format!(
-            "| {} | {:.1} | {:.2} | {:.1} | {:.1} | {:.2}x | {} |\n",
+            "| {} | {:.1} | {:.2} | {:.2} | {:.1} | {:.1} | {:.2}x | {} |\n",
             name,
             s.mean_tree_nodes,
             s.tau,
+            s.copied_per_forward,
             s.spec_tok_s_median,
             s.plain_tok_s_median,
             s.speedup,

@@ -18,6 +18,7 @@ pub mod heads;
 pub mod kernels;
 pub mod kv_cache;
 pub mod loader;
+pub mod lookup;
 pub mod model;
 pub mod quant;
 pub mod sampling;

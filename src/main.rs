@@ -8,7 +8,8 @@ use clap::{Args, Parser, Subcommand};
 use selfspec::generate::{generate_plain, GenStats, StopRule, TextStream};
 use selfspec::eval::{choose_tree, evaluate, rank_accuracy, to_markdown, to_svg, EvalOptions, EvalReport};
 use selfspec::drafter::Drafter;
-use selfspec::spec::{generate_spec, SpecOptions, SpecStats, TreeChoice};
+use selfspec::draft_layer::StoreFormat;
+use selfspec::spec::{generate_spec, Plan, SpecOptions, SpecStats, TreeChoice};
 use selfspec::train::{describe_inputs, train, LossKind, TrainConfig};
 use selfspec::verify::Rule;
 use selfspec::loader::{parse_device, Target};
@@ -84,7 +85,8 @@ struct SpecArgs {
     /// self-speculative decoding.
     #[arg(long)]
     heads: Option<PathBuf>,
-    /// cpu (8 nodes), gpu (64), chain, chain:N, dynamic, dynamic:N, or a tree JSON file.
+    /// cpu (8 nodes), gpu (64), chain, chain:N, dynamic, dynamic:N, or a tree JSON file;
+    /// append +lookup[:N] to graft up to N tokens copied from the context (prompt lookup).
     #[arg(long, default_value = "cpu")]
     tree: String,
     /// Medusa's typical acceptance. LOSSY: the output no longer follows the target's distribution.
@@ -207,7 +209,8 @@ enum Command {
         /// One prompt per line, JSONL with "prompt", or MT-Bench/Spec-Bench style "turns".
         #[arg(long)]
         prompts: PathBuf,
-        /// Trees to compare (repeatable): cpu, gpu, chain[:N], dynamic[:N], or a tree file.
+        /// Trees to compare (repeatable): cpu, gpu, chain[:N], dynamic[:N], or a tree file, each
+        /// optionally with +lookup[:N] (a branch copied from the context).
         #[arg(long, default_values_t = vec!["cpu".to_string()])]
         tree: Vec<String>,
         #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
@@ -243,7 +246,8 @@ enum Command {
         #[arg(long, default_value_t = 6)]
         check_prompts: usize,
     },
-    /// Re-save heads: in the FasterDecoding/Medusa format (vLLM, TGI), or as f16 or f32 selfspec heads.
+    /// Re-save heads: in the FasterDecoding/Medusa format (vLLM, TGI), or as f16 or f32 selfspec heads;
+    /// a draft layer as f32, f16 or q8 (8-bit blocks, a quarter of f32).
     ExportHeads {
         #[command(flatten)]
         model: ModelArgs,
@@ -251,7 +255,7 @@ enum Command {
         heads: PathBuf,
         #[arg(long)]
         out: PathBuf,
-        #[arg(long, default_value = "medusa", value_parser = ["medusa", "f16", "f32"])]
+        #[arg(long, default_value = "medusa", value_parser = ["medusa", "f16", "f32", "q8"])]
         format: String,
     },
     /// Time one forward over T new tokens after a context, for each T.
@@ -286,14 +290,15 @@ fn progress(len: u64, what: &str) -> indicatif::ProgressBar {
 }
 
 fn print_eval(r: &EvalReport) {
-    println!("tau = tokens emitted per target forward, the bonus token counted (plain decoding = 1.00)");
-    println!("{:<16} {:>6} {:>6} {:>11} {:>12} {:>9} {:>10}", "tree", "nodes", "tau", "spec tok/s", "plain tok/s", "speed-up", "identical");
+    println!("tau = tokens emitted per target forward, the bonus token counted (plain decoding = 1.00); copied = of those, accepted tokens from the +lookup branch");
+    println!("{:<24} {:>6} {:>6} {:>7} {:>11} {:>12} {:>9} {:>10}", "tree", "nodes", "tau", "copied", "spec tok/s", "plain tok/s", "speed-up", "identical");
     for (name, s) in r.trees.iter().zip(&r.overall) {
         println!(
-            "{:<16} {:>6.1} {:>6.2} {:>11.1} {:>12.1} {:>8.2}x {:>10}",
+            "{:<24} {:>6.1} {:>6.2} {:>7.2} {:>11.1} {:>12.1} {:>8.2}x {:>10}",
             name,
             s.mean_tree_nodes,
             s.tau,
+            s.copied_per_forward,
             s.spec_tok_s_median,
             s.plain_tok_s_median,
             s.speedup,
@@ -335,7 +340,7 @@ fn plain_summary(s: &GenStats) -> String {
 fn spec_summary(s: &SpecStats, lossy: bool) -> String {
     let steps = s.gen.target_forwards.max(1) as f64;
     format!(
-        "self-speculative{}: prompt {} tokens, {} new tokens, {} target forwards | tau {:.2} tokens/forward (bonus token counted; plain = 1.00) | prefill {:.1} tok/s | decode {:.1} tok/s | per step: draft {:.2} ms, tree forward {:.2} ms, verify {:.2} ms, commit {:.2} ms",
+        "self-speculative{}: prompt {} tokens, {} new tokens, {} target forwards | tau {:.2} tokens/forward (bonus token counted; plain = 1.00) | prefill {:.1} tok/s | decode {:.1} tok/s | per step: draft {:.2} ms, tree forward {:.2} ms, verify {:.2} ms, commit {:.2} ms{}",
         if lossy { " (LOSSY typical acceptance: output does not follow the target's distribution)" } else { "" },
         s.gen.prompt_tokens,
         s.gen.new_tokens,
@@ -347,6 +352,7 @@ fn spec_summary(s: &SpecStats, lossy: bool) -> String {
         s.time.forward * 1e3 / steps,
         s.time.verify * 1e3 / steps,
         s.time.commit * 1e3 / steps,
+        if s.lookup_nodes > 0 { format!(" | lookup: {} of {} copied tokens accepted", s.lookup_accepted, s.lookup_nodes) } else { String::new() },
     )
 }
 
@@ -365,7 +371,7 @@ fn run(cli: Cli) -> Result<()> {
             if max_tokens == 0 {
                 bail!("--max-tokens must be at least 1");
             }
-            let tree = TreeChoice::parse(&spec.tree)?;
+            let plan = Plan::parse(&spec.tree)?;
             let target = load(&model)?;
             let heads = match &spec.heads {
                 Some(dir) => Some(Drafter::from_dir(dir, &target)?),
@@ -391,7 +397,7 @@ fn run(cli: Cli) -> Result<()> {
                 }
                 Some(heads) => {
                     let rule = Rule::for_params(&params, spec.lossy_typical);
-                    let opts = SpecOptions { tree, rule, params: params.clone(), stop };
+                    let opts = SpecOptions { tree: plan.tree, lookup: plan.lookup, rule, params: params.clone(), stop };
                     let (spec_out, stats) = generate_spec(&target.model, heads, &ids, &opts, &mut r, &mut print)?;
                     finish_stream(&mut stream, &mut stdout)?;
                     eprintln!("{}", spec_summary(&stats, spec.lossy_typical));
@@ -523,7 +529,7 @@ fn run(cli: Cli) -> Result<()> {
             });
             match trained {
                 Drafter::Heads(h) => h.with_recipe(recipe.clone()).save(&out)?,
-                Drafter::Layer(l) => l.with_recipe(recipe.clone()).save_as(&out, false)?,
+                Drafter::Layer(l) => l.with_recipe(recipe.clone()).save_as(&out, StoreFormat::F32)?,
             }
             selfspec::error::write_atomic(&out.join("report.json"), serde_json::to_string_pretty(&recipe)?.as_bytes())?;
             let v = report.val.last().cloned().unwrap_or_default();
@@ -545,15 +551,15 @@ fn run(cli: Cli) -> Result<()> {
             if max_tokens == 0 {
                 bail!("--max-tokens must be at least 1");
             }
-            let trees = tree.iter().map(|t| Ok((t.clone(), TreeChoice::parse(t)?))).collect::<Result<Vec<_>>>()?;
+            let trees = tree.iter().map(|t| Ok((t.clone(), Plan::parse(t)?))).collect::<Result<Vec<_>>>()?;
             let mut items = selfspec::data::read_prompts(&prompts)?;
             if let Some(n) = limit {
                 items.truncate(n.max(1));
             }
             let target = load(&model)?;
             let h = Drafter::from_dir(&heads, &target)?;
-            for (_, t) in &trees {
-                t.validate_for(&h)?;
+            for (_, p) in &trees {
+                p.tree.validate_for(&h)?;
             }
             let bar = progress(items.iter().map(|i| i.turns.len() as u64).sum(), "eval");
             let mut prog = |done: usize, _total: usize| bar.set_position(done as u64);
@@ -593,21 +599,41 @@ fn run(cli: Cli) -> Result<()> {
             for p in &points {
                 println!("{:>5} {:>12.2} {:>10.2} {:>16.2}x{}", p.nodes, p.expected_tau, p.cost_ratio, p.expected_speedup, if p.nodes == best.len() { "  <- chosen" } else { "" });
             }
-            let doc = serde_json::json!({
+            let mut doc = serde_json::json!({
                 "paths": serde_json::from_str::<serde_json::Value>(&best.to_json())?["paths"],
                 "expected": points.iter().find(|p| p.nodes == best.len()),
                 "rank_accuracy": acc,
                 "forward_ms": cost_ms,
                 "draft_ms": {"per_step": draft_ms.0, "per_extra_level": draft_ms.1},
+                "lookup": null,
                 "note": "tau = tokens per target forward, bonus token counted",
             });
             selfspec::error::write_atomic(&out, serde_json::to_string_pretty(&doc)?.as_bytes())?;
-            eprintln!("wrote {} ({} nodes); checking it on {} prompts...", out.display(), best.len(), check_prompts.min(items.len()));
+            // The context lookup's worth depends on how often the text repeats itself and on what
+            // extra nodes cost here, so it is measured, with and without, in the same run.
             let check: Vec<_> = items.iter().take(check_prompts.max(1)).cloned().collect();
-            let mut opts = EvalOptions { trees: vec![("tuned".into(), TreeChoice::Static(best))], params: SamplingParams::greedy(), max_tokens, seed: 1, progress: &mut |_, _| {} };
+            eprintln!("wrote {} ({} nodes); checking it with and without +lookup on {} prompts...", out.display(), best.len(), check.len());
+            // Short and long copied branches: extra nodes cost more with fast weights.
+            let lookups = [None, Some(3), Some(6)];
+            let plans = lookups
+                .iter()
+                .map(|n| {
+                    let lookup = n.map(|max_tokens| selfspec::lookup::Lookup { max_tokens, ..Default::default() });
+                    let name = n.map_or("tuned".to_string(), |n| format!("tuned+lookup:{n}"));
+                    (name, Plan { tree: TreeChoice::Static(best.clone()), lookup })
+                })
+                .collect();
+            let mut opts = EvalOptions { trees: plans, params: SamplingParams::greedy(), max_tokens, seed: 1, progress: &mut |_, _| {} };
             let report = evaluate(&target, &h, &check, &mut opts)?;
-            let s = &report.overall[0];
-            println!("measured: tau {:.2} tokens/forward (bonus counted), speed-up {:.2}x ({:.1} vs {:.1} tok/s)", s.tau, s.speedup, s.spec_tok_s_median, s.plain_tok_s_median);
+            for (name, s) in report.trees.iter().zip(&report.overall) {
+                println!("measured {name}: tau {:.2} tokens/forward (bonus counted), speed-up {:.2}x ({:.1} vs {:.1} tok/s)", s.tau, s.speedup, s.spec_tok_s_median, s.plain_tok_s_median);
+            }
+            let fastest = (0..lookups.len()).max_by(|&a, &b| report.overall[a].speedup.total_cmp(&report.overall[b].speedup)).unwrap_or(0);
+            if let Some(n) = lookups[fastest] {
+                doc["lookup"] = serde_json::json!(n);
+                selfspec::error::write_atomic(&out, serde_json::to_string_pretty(&doc)?.as_bytes())?;
+                println!("kept +lookup:{n} in {} (`--tree {}` uses it)", out.display(), out.display());
+            }
         }
         Command::ExportHeads { model, heads, out, format } => {
             let target = load(&model)?;
@@ -615,6 +641,7 @@ fn run(cli: Cli) -> Result<()> {
                 Drafter::Heads(h) => {
                     match format.as_str() {
                         "medusa" => h.export_medusa(&out, &target)?,
+                        "q8" => bail!("{}: q8 storage is for draft layers; store heads as f16 or f32", heads.display()),
                         f => h.save_as(&out, f == "f16")?,
                     }
                     eprintln!("wrote {} heads ({format}) to {}", h.num_heads(), out.display());
@@ -623,7 +650,12 @@ fn run(cli: Cli) -> Result<()> {
                     if format == "medusa" {
                         bail!("{}: a draft layer has no Medusa-format equivalent (Medusa heads read one hidden state; the layer attends over the prefix)", heads.display());
                     }
-                    l.save_as(&out, format == "f16")?;
+                    let store = match format.as_str() {
+                        "f32" => StoreFormat::F32,
+                        "f16" => StoreFormat::F16,
+                        _ => StoreFormat::Q8,
+                    };
+                    l.save_as(&out, store)?;
                     eprintln!("wrote the draft layer ({format}) to {}", out.display());
                 }
             }

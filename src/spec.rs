@@ -4,6 +4,7 @@
 use std::time::Instant;
 
 use crate::generate::{check_budget, prefill, GenStats, StopRule};
+use crate::lookup::Lookup;
 use crate::drafter::Drafter;
 use crate::model::{row_to_vec, Llama};
 use crate::sampling::{Rng64, SamplingParams};
@@ -40,6 +41,28 @@ impl TreeChoice {
     }
 }
 
+/// A step's whole draft: the drafter's tree and, optionally, a branch copied from the context.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub tree: TreeChoice,
+    pub lookup: Option<Lookup>,
+}
+
+impl Plan {
+    /// A tree spec (see [`TreeChoice::parse`]), optionally followed by `+lookup` or `+lookup:N`.
+    /// A tree file from `tune` may carry `"lookup": N` (kept when it measured faster).
+    pub fn parse(spec: &str) -> Result<Self> {
+        let (tree, lookup) = Lookup::split_spec(spec)?;
+        let choice = TreeChoice::parse(tree)?;
+        let lookup = match lookup {
+            Some(l) => Some(l),
+            None if std::path::Path::new(tree).is_file() => Lookup::from_tree_file(std::path::Path::new(tree))?,
+            None => None,
+        };
+        Ok(Plan { tree: choice, lookup })
+    }
+}
+
 /// Deepest rank a tree may use: heads report this many candidates per position.
 pub const TOP_K_LIMIT: usize = 16;
 /// Ranks kept for per-head top-5 accuracy.
@@ -61,6 +84,9 @@ pub struct SpecStats {
     /// Where decode time went, in seconds: drafting the trees, the target's tree forwards
     /// (with logits), verification, and updating the KV cache and the drafter's state.
     pub time: StepTimes,
+    /// Nodes the context lookup added to the drafter's trees, and how many of them were accepted.
+    pub lookup_nodes: usize,
+    pub lookup_accepted: usize,
 }
 
 #[derive(Debug, Clone, Default, serde::Serialize)]
@@ -80,6 +106,8 @@ impl SpecStats {
 
 pub struct SpecOptions<'a> {
     pub tree: TreeChoice,
+    /// Graft a continuation copied from the context onto every tree.
+    pub lookup: Option<Lookup>,
     pub rule: Rule,
     pub params: SamplingParams,
     pub stop: StopRule<'a>,
@@ -122,7 +150,12 @@ pub fn generate_spec(
         let t_step = Instant::now();
         let proposal = state.propose(model, root, &opts.tree, ACC_K, max_pos - committed)?;
         drafts.push((out.len() - 1, proposal.guesses));
-        let (tree, tokens) = (proposal.tree, proposal.tokens);
+        let (mut tree, mut tokens) = (proposal.tree, proposal.tokens);
+        // Nodes from here on were grafted by the lookup.
+        let drafted_nodes = tree.len();
+        if let Some(l) = &opts.lookup {
+            stats.lookup_nodes += l.graft(&mut tree, &mut tokens, &history, max_pos - committed);
+        }
         let t_fwd = Instant::now();
         let hidden = model.forward(&tokens, &tree.positions(committed), &tree.mask(), &mut cache)?;
         let all_logits = model.logits(&hidden)?;
@@ -138,8 +171,9 @@ pub fn generate_spec(
             stats.accept_hist.resize(m + 1, 0);
         }
         stats.accept_hist[m] += 1;
+        stats.lookup_accepted += verdict.accepted.iter().filter(|&&a| a >= drafted_nodes).count();
         if let TreeChoice::Static(_) = &opts.tree {
-            for (i, n) in tree.nodes().iter().enumerate().skip(1) {
+            for (i, n) in tree.nodes().iter().enumerate().take(drafted_nodes).skip(1) {
                 if verdict.accepted.contains(&n.parent.unwrap()) {
                     stats.node_tries_hits[i].0 += 1;
                     if verdict.accepted.contains(&i) {

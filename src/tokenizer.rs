@@ -34,6 +34,23 @@ impl Tokenizer {
         Ok(ids)
     }
 
+    /// `encode`, plus each token's starting byte in `text` (`None` for an added BOS), so that
+    /// tokens can be traced back to the part of a document they came from.
+    pub fn encode_with_offsets(&self, text: &str, add_bos: bool) -> Result<(Vec<u32>, Vec<Option<usize>>)> {
+        let enc = self.inner.encode(text, false).map_err(|e| Error::Tokenizer(e.to_string()))?;
+        let mut ids = Vec::with_capacity(enc.len() + 1);
+        let mut starts = Vec::with_capacity(enc.len() + 1);
+        if add_bos && self.add_bos {
+            if let Some(b) = self.bos_id {
+                ids.push(b);
+                starts.push(None);
+            }
+        }
+        ids.extend_from_slice(enc.get_ids());
+        starts.extend(enc.get_offsets().iter().map(|o| Some(o.0)));
+        Ok((ids, starts))
+    }
+
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         self.inner.decode(ids, true).map_err(|e| Error::Tokenizer(e.to_string()))
     }

@@ -15,6 +15,7 @@ use candle_nn::VarMap;
 use rand::seq::SliceRandom;
 use serde::{Deserialize, Serialize};
 
+use crate::data::Document;
 use crate::heads::{Heads, HeadsConfig};
 use crate::loader::Target;
 use crate::{Error, Result};
@@ -165,14 +166,39 @@ impl TrainReport {
     }
 }
 
-/// Tokenised chunks of at most `seq_len` tokens; each document starts a new chunk.
-pub fn chunk_documents(target: &Target, docs: &[String], seq_len: usize, min_len: usize) -> Result<Vec<Vec<u32>>> {
+/// A piece of a document the size of one training sequence.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Chunk {
+    pub tokens: Vec<u32>,
+    /// Whether each token is one the drafter should learn to guess (see [`Document::scored`]).
+    pub scored: Vec<bool>,
+}
+
+/// A chunk with the frozen backbone's hidden states for it.
+pub struct Example {
+    pub chunk: Chunk,
+    pub h: Tensor,
+}
+
+impl Example {
+    pub fn tokens(&self) -> &[u32] {
+        &self.chunk.tokens
+    }
+    pub fn scored(&self) -> &[bool] {
+        &self.chunk.scored
+    }
+}
+
+/// Tokenised chunks of at most `seq_len` tokens; each document starts a new chunk. Chunks with
+/// fewer than `min_len` tokens, or with no scored token, are dropped.
+pub fn chunk_documents(target: &Target, docs: &[Document], seq_len: usize, min_len: usize) -> Result<Vec<Chunk>> {
     let mut chunks = Vec::new();
     for d in docs {
-        let ids = target.tokenizer.encode(d, true)?;
-        for c in ids.chunks(seq_len) {
-            if c.len() >= min_len {
-                chunks.push(c.to_vec());
+        let (ids, starts) = target.tokenizer.encode_with_offsets(&d.text, true)?;
+        let scored: Vec<bool> = starts.iter().map(|s| s.is_some_and(|o| d.scores(o))).collect();
+        for (c, m) in ids.chunks(seq_len).zip(scored.chunks(seq_len)) {
+            if c.len() >= min_len && m.iter().any(|&x| x) {
+                chunks.push(Chunk { tokens: c.to_vec(), scored: m.to_vec() });
             }
         }
     }
@@ -330,7 +356,7 @@ struct Batch {
 }
 
 fn make_batch(
-    chunks: &[(Vec<u32>, Tensor)],
+    chunks: &[Example],
     ids: &[usize],
     k_heads: usize,
     loss: LossKind,
@@ -344,7 +370,7 @@ fn make_batch(
     let mut soft_idx = vec![Vec::new(); k_heads];
     let mut offset = 0;
     for &i in ids {
-        let (toks, h) = &chunks[i];
+        let (toks, h, scored) = (chunks[i].tokens(), &chunks[i].h, chunks[i].scored());
         let n = toks.len();
         let rows = n - 2; // positions t with at least the head-0 label t+2
         hs.push(h.narrow(0, 0, rows)?);
@@ -352,7 +378,7 @@ fn make_batch(
         for t in 0..rows {
             for k in 0..k_heads {
                 let label = if t + k + 2 < n { slot(toks[t + k + 2]) } else { None };
-                let ok = t + k + 2 < n && (loss == LossKind::Soft || label.is_some());
+                let ok = t + k + 2 < n && scored[t + k + 2] && (loss == LossKind::Soft || label.is_some());
                 valid[k].push(ok);
                 hard[k].push(label.unwrap_or(u32::MAX));
                 soft_idx[k].push(if ok { offset + t + k + 1 } else { usize::MAX });
@@ -362,7 +388,7 @@ fn make_batch(
     }
     let h = Tensor::cat(&hs, 0)?;
     let soft_rows = if loss == LossKind::Soft {
-        let full: Vec<Tensor> = ids.iter().map(|&i| chunks[i].1.clone()).collect();
+        let full: Vec<Tensor> = ids.iter().map(|&i| chunks[i].h.clone()).collect();
         Some((Tensor::cat(&full, 0)?, soft_idx))
     } else {
         None
@@ -442,14 +468,16 @@ pub fn fit_batches(mut batches: Vec<Vec<usize>>, n: usize) -> Vec<Vec<usize>> {
     batches
 }
 
-/// Top-1/top-5 of each head against the target's own greedy token on held-out chunks.
-pub fn validate(heads: &Heads, target: &Target, chunks: &[(Vec<u32>, Tensor)]) -> Result<HeadAccuracy> {
+/// Top-1/top-5 of each head against the target's own greedy token on held-out chunks, at the
+/// scored positions only (the answers of a conversation).
+pub fn validate(heads: &Heads, target: &Target, chunks: &[Example]) -> Result<HeadAccuracy> {
     let k_heads = heads.num_heads();
     let lm = target.model.lm_head().weight();
     let mut top1 = vec![0usize; k_heads];
     let mut top5 = vec![0usize; k_heads];
     let mut counts = vec![0usize; k_heads];
-    for (toks, h) in chunks {
+    for ex in chunks {
+        let (toks, h, scored) = (ex.tokens(), &ex.h, ex.scored());
         let n = toks.len();
         let own: Vec<u32> = h.matmul(&lm.t()?)?.argmax(D::Minus1)?.to_vec1()?; // own[t] = target's token t+1
         // The root at position t is the corpus token t+1: the target's "own" token at t+k+1 is
@@ -461,7 +489,7 @@ pub fn validate(heads: &Heads, target: &Target, chunks: &[(Vec<u32>, Tensor)]) -
             let top = crate::heads::top_k_rows(&lk, 5)?;
             let id = |i: u32| heads.draft_vocab().map_or(i, |v| v[i as usize]);
             for t in 0..n - 2 {
-                if t + k + 1 < n {
+                if t + k + 2 < n && scored[t + k + 2] {
                     let truth = own[t + k + 1];
                     counts[k] += 1;
                     top1[k] += (id(top[t][0].0) == truth) as usize;
@@ -476,14 +504,14 @@ pub fn validate(heads: &Heads, target: &Target, chunks: &[(Vec<u32>, Tensor)]) -
 
 /// Chunks with the frozen backbone's hidden states, split into training and held-out sets.
 pub(crate) struct Prepared {
-    pub train_set: Vec<(Vec<u32>, Tensor)>,
-    pub val_set: Vec<(Vec<u32>, Tensor)>,
+    pub train_set: Vec<Example>,
+    pub val_set: Vec<Example>,
     pub train_tokens: usize,
     pub val_tokens: usize,
     pub hidden_secs: f64,
 }
 
-pub(crate) fn prepare(target: &Target, docs: &[String], cfg: &TrainConfig, min_len: usize, cache_hidden: Option<&Path>, log: &mut dyn FnMut(String)) -> Result<Prepared> {
+pub(crate) fn prepare(target: &Target, docs: &[Document], cfg: &TrainConfig, min_len: usize, cache_hidden: Option<&Path>, log: &mut dyn FnMut(String)) -> Result<Prepared> {
     let chunks = chunk_documents(target, docs, cfg.seq_len, min_len)?;
     if chunks.is_empty() {
         return Err(Error::InvalidArgument(format!("the corpus gives no chunk of at least {min_len} tokens")));
@@ -499,32 +527,39 @@ pub(crate) fn prepare(target: &Target, docs: &[String], cfg: &TrainConfig, min_l
         if val_ids.len() == n_val {
             break;
         }
-        if val_content.insert(&chunks[i]) {
+        if val_content.insert(&chunks[i].tokens) {
             val_ids.push(i);
         }
     }
-    let train_ids: Vec<usize> = order.iter().copied().filter(|&i| !val_content.contains(chunks[i].as_slice())).collect();
+    let train_ids: Vec<usize> = order.iter().copied().filter(|&i| !val_content.contains(chunks[i].tokens.as_slice())).collect();
     if train_ids.is_empty() {
         return Err(Error::InvalidArgument("no training chunk is left after holding out the validation chunks".into()));
     }
     let (val_ids, train_ids) = (&val_ids[..], &train_ids[..]);
     let t_hidden = Instant::now();
     let cache = cache_hidden.map(|d| HiddenCache::new(d, target)).transpose()?;
-    let with_h = |ids: &[usize]| -> Result<Vec<(Vec<u32>, Tensor)>> {
-        ids.iter().map(|&i| Ok((chunks[i].clone(), hidden_states(target, &chunks[i], cache.as_ref())?))).collect()
+    let with_h = |ids: &[usize]| -> Result<Vec<Example>> {
+        ids.iter().map(|&i| Ok(Example { chunk: chunks[i].clone(), h: hidden_states(target, &chunks[i].tokens, cache.as_ref())? })).collect()
     };
     let train_set = with_h(train_ids)?;
     let val_set = with_h(val_ids)?;
     let hidden_secs = t_hidden.elapsed().as_secs_f64();
-    let train_tokens: usize = train_set.iter().map(|c| c.0.len()).sum();
-    let val_tokens: usize = val_set.iter().map(|c| c.0.len()).sum();
-    log(format!("{} train chunks ({train_tokens} tokens), {} validation chunks ({val_tokens} tokens); hidden states in {hidden_secs:.0}s", train_set.len(), val_set.len()));
+    let train_tokens: usize = train_set.iter().map(|c| c.tokens().len()).sum();
+    let val_tokens: usize = val_set.iter().map(|c| c.tokens().len()).sum();
+    let scored = |set: &[Example]| set.iter().map(|c| c.scored().iter().filter(|&&x| x).count()).sum::<usize>();
+    log(format!(
+        "{} train chunks ({train_tokens} tokens, {} scored), {} validation chunks ({val_tokens} tokens, {} scored); hidden states in {hidden_secs:.0}s",
+        train_set.len(),
+        scored(&train_set),
+        val_set.len(),
+        scored(&val_set)
+    ));
     Ok(Prepared { train_set, val_set, train_tokens, val_tokens, hidden_secs })
 
 }
 
 /// Batches per epoch, and the batches of each epoch.
-pub(crate) fn epoch_batches<'a>(train_set: &'a [(Vec<u32>, Tensor)], cfg: &'a TrainConfig) -> (usize, impl Fn(usize) -> Vec<Vec<usize>> + 'a) {
+pub(crate) fn epoch_batches<'a>(train_set: &'a [Example], cfg: &'a TrainConfig) -> (usize, impl Fn(usize) -> Vec<Vec<usize>> + 'a) {
     // Batches: consecutive chunks of the epoch's permutation up to batch_tokens.
     // Batches of about `batch_tokens` tokens over a per-epoch shuffle. Chunk lengths vary, so
     // a shuffle can give one batch more or fewer than another; every epoch is fitted to the
@@ -536,7 +571,7 @@ pub(crate) fn epoch_batches<'a>(train_set: &'a [(Vec<u32>, Tensor)], cfg: &'a Tr
         let mut cur = vec![];
         let mut toks = 0;
         for i in ids {
-            toks += train_set[i].0.len();
+            toks += train_set[i].tokens().len();
             cur.push(i);
             if toks >= cfg.batch_tokens {
                 out.push(std::mem::take(&mut cur));
@@ -579,7 +614,7 @@ pub type Progress<'a> = &'a mut dyn FnMut(usize, usize, f64, &[f64], f64);
 /// Train heads on `docs`, writing checkpoints and the final heads into `out`.
 pub fn train(
     target: &Target,
-    docs: &[String],
+    docs: &[Document],
     cfg: &TrainConfig,
     out: &Path,
     resume: bool,
@@ -612,7 +647,7 @@ pub fn train(
     let mut heads = Heads::init(&varmap, &hcfg, &lm, &device)?;
     let mut slot_of: HashMap<u32, u32> = HashMap::new();
     if cfg.draft_vocab > 0 && cfg.draft_vocab < mcfg.vocab_size {
-        let ids = frequent_tokens(train_set.iter().map(|c| c.0.as_slice()), cfg.draft_vocab, &target.tokenizer.eos_ids);
+        let ids = frequent_tokens(train_set.iter().map(|c| c.tokens()), cfg.draft_vocab, &target.tokenizer.eos_ids);
         slot_of = ids.iter().enumerate().map(|(i, &t)| (t, i as u32)).collect();
         log(format!("draft vocabulary: the {} most frequent corpus tokens", ids.len()));
         heads.set_draft_vocab(ids, &lm)?;
@@ -643,7 +678,7 @@ pub fn train(
         step = opt.step;
         let lv = loss.to_scalar::<f32>()? as f64;
         losses.push(lv);
-        tokens_seen += ids.iter().map(|&i| train_set[i].0.len()).sum::<usize>();
+        tokens_seen += ids.iter().map(|&i| train_set[i].tokens().len()).sum::<usize>();
         for (k, (h, n)) in acc.iter().enumerate() {
             let a = *h as f64 / (*n).max(1) as f64;
             running[k] = if step == start_step + 1 { a } else { 0.9 * running[k] + 0.1 * a };

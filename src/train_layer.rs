@@ -13,7 +13,8 @@ use candle_nn::VarMap;
 
 use crate::draft_layer::{DraftLayer, DraftLayerConfig, TrainLayer};
 use crate::loader::Target;
-use crate::train::{epoch_batches, fmt, frequent_tokens, learning_rate, prepare, resume_from, save_checkpoint, AdamW, HeadAccuracy, Prepared, Progress, TrainConfig, TrainReport};
+use crate::data::Document;
+use crate::train::{epoch_batches, Example, fmt, frequent_tokens, learning_rate, prepare, resume_from, save_checkpoint, AdamW, HeadAccuracy, Prepared, Progress, TrainConfig, TrainReport};
 use crate::{Error, Result};
 
 /// Levels the validation reports (guesses 1..=VAL_LEVELS tokens past the root).
@@ -32,14 +33,23 @@ fn chunk_inputs(target: &Target, toks: &[u32], h: &Tensor, steps: usize) -> Resu
     Ok((feats, embs))
 }
 
+/// Whether the guess of token `i` counts. The target's own prediction after the chunk's last
+/// token (i = len) is a label too; it continues whatever the last token belongs to.
+fn scored_at(ex: &Example, i: usize) -> bool {
+    let s = ex.scored();
+    s.get(i).or(s.last()).copied().unwrap_or(false)
+}
+
 fn smooth_l1(d: &Tensor) -> Result<Tensor> {
     let a = d.abs()?;
     let m = a.minimum(1.0)?;
     Ok(((m.sqr()? * 0.5)? + (a - m)?)?.mean_all()?)
 }
 
-/// Loss of one chunk, and step 0's (hits, rows) against the target's own top token.
-fn chunk_loss(layer: &TrainLayer, target: &Target, toks: &[u32], h: &Tensor, cfg: &TrainConfig) -> Result<(Tensor, (usize, usize))> {
+/// Loss of one chunk (a mean over its scored positions), and step 0's (hits, rows) against the
+/// target's own top token.
+fn chunk_loss(layer: &TrainLayer, target: &Target, ex: &Example, cfg: &TrainConfig) -> Result<(Tensor, (usize, usize))> {
+    let (toks, h) = (ex.tokens(), &ex.h);
     let t = toks.len() - 1;
     let steps = cfg.unroll.min(t);
     let (feats, embs) = chunk_inputs(target, toks, h, steps)?;
@@ -53,16 +63,25 @@ fn chunk_loss(layer: &TrainLayer, target: &Target, toks: &[u32], h: &Tensor, cfg
         let truth = h.narrow(0, s + 1, rows)?;
         let pred = pred.narrow(0, 0, rows)?;
         let p = p_all.narrow(0, s, rows)?;
+        // Row r guesses token r + s + 2.
+        let keep: Vec<f32> = (0..rows).map(|r| scored_at(ex, r + s + 2) as u8 as f32).collect();
+        let kept = keep.iter().sum::<f32>();
+        if kept == 0.0 {
+            continue;
+        }
+        let keep = Tensor::from_vec(keep, rows, h.device())?;
         let logits = layer.logits(&pred)?;
         let logq = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
-        let mut l = (p.clone() * logq)?.sum(D::Minus1)?.mean_all()?.neg()?;
+        let mut l = ((p.clone() * logq)?.sum(D::Minus1)?.neg()? * &keep)?.sum_all()?.affine(1.0 / kept as f64, 0.0)?;
         if cfg.feature_weight > 0.0 {
-            l = (l + (smooth_l1(&(pred - &truth)?)? * cfg.feature_weight)?)?;
+            let d = (pred - &truth)?.broadcast_mul(&keep.unsqueeze(1)?)?;
+            l = (l + (smooth_l1(&d)? * (cfg.feature_weight * rows as f64 / kept as f64))?)?;
         }
         if s == 0 {
             let a: Vec<u32> = logits.argmax(D::Minus1)?.to_vec1()?;
             let b: Vec<u32> = p.argmax(D::Minus1)?.to_vec1()?;
-            acc = (a.iter().zip(&b).filter(|(x, y)| x == y).count(), rows);
+            let hits = (0..rows).filter(|&r| scored_at(ex, r + 2) && a[r] == b[r]).count();
+            acc = (hits, kept as usize);
         }
         let term = (l * cfg.decay.powi(s as i32))?;
         total = Some(match total {
@@ -70,18 +89,24 @@ fn chunk_loss(layer: &TrainLayer, target: &Target, toks: &[u32], h: &Tensor, cfg
             Some(x) => (x + term)?,
         });
     }
-    Ok((total.ok_or_else(|| Error::InvalidArgument("a chunk too short to train on".into()))?, acc))
+    // A chunk whose scored tokens all lie before the first guess contributes nothing.
+    let total = match total {
+        Some(t) => t,
+        None => Tensor::zeros((), candle_core::DType::F32, h.device())?,
+    };
+    Ok((total, acc))
 }
 
 /// Top-1/top-5 per level on held-out chunks, against the target's own greedy tokens: level k
 /// guesses the token k places past the root, drafted along the true tokens above it (the
 /// unrolled forward, which attends exactly as a drafted chain does).
-pub fn validate_layer(layer: &TrainLayer, ids: &[u32], target: &Target, chunks: &[(Vec<u32>, Tensor)]) -> Result<HeadAccuracy> {
+pub fn validate_layer(layer: &TrainLayer, ids: &[u32], target: &Target, chunks: &[Example]) -> Result<HeadAccuracy> {
     let lm = target.model.lm_head().weight();
     let mut top1 = vec![0usize; VAL_LEVELS];
     let mut top5 = vec![0usize; VAL_LEVELS];
     let mut counts = vec![0usize; VAL_LEVELS];
-    for (toks, h) in chunks {
+    for ex in chunks {
+        let (toks, h) = (ex.tokens(), &ex.h);
         let t = toks.len() - 1;
         let steps = VAL_LEVELS.min(t);
         let own: Vec<u32> = h.matmul(&lm.t()?)?.argmax(D::Minus1)?.to_vec1()?; // own[i] = target's token i+1
@@ -90,7 +115,7 @@ pub fn validate_layer(layer: &TrainLayer, ids: &[u32], target: &Target, chunks: 
         for (s, pred) in preds.iter().enumerate() {
             let rows = t - s;
             let top = crate::heads::top_k_rows(&layer.logits(&pred.narrow(0, 0, rows)?)?, 5)?;
-            for (r, row) in top.iter().enumerate() {
+            for (r, row) in top.iter().enumerate().filter(|(r, _)| scored_at(ex, r + s + 2)) {
                 let truth = own[r + s + 1];
                 counts[s] += 1;
                 top1[s] += (ids[row[0].0 as usize] == truth) as usize;
@@ -106,7 +131,7 @@ pub fn validate_layer(layer: &TrainLayer, ids: &[u32], target: &Target, chunks: 
 #[allow(clippy::too_many_arguments)]
 pub fn train_layer(
     target: &Target,
-    docs: &[String],
+    docs: &[Document],
     cfg: &TrainConfig,
     out: &Path,
     resume: bool,
@@ -124,7 +149,7 @@ pub fn train_layer(
     let total_steps = per_epoch * cfg.epochs;
     let device = target.model.device().clone();
     let vocab = target.model.config().vocab_size;
-    let ids = frequent_tokens(train_set.iter().map(|c| c.0.as_slice()), cfg.draft_vocab.min(vocab), &target.tokenizer.eos_ids);
+    let ids = frequent_tokens(train_set.iter().map(|c| c.tokens()), cfg.draft_vocab.min(vocab), &target.tokenizer.eos_ids);
     log(format!("draft vocabulary: the {} most frequent corpus tokens", ids.len()));
     let lcfg = DraftLayerConfig::for_target(target, ids.len())?;
     let varmap = VarMap::new();
@@ -147,8 +172,7 @@ pub fn train_layer(
         let mut loss: Option<Tensor> = None;
         let (mut hits, mut rows) = (0, 0);
         for &i in batch {
-            let (toks, h) = &train_set[i];
-            let (l, (a, b)) = chunk_loss(&layer, target, toks, h, cfg)?;
+            let (l, (a, b)) = chunk_loss(&layer, target, &train_set[i], cfg)?;
             hits += a;
             rows += b;
             loss = Some(match loss {
@@ -163,7 +187,7 @@ pub fn train_layer(
         step = opt.step;
         let lv = loss.to_scalar::<f32>()? as f64;
         losses.push(lv);
-        tokens_seen += batch.iter().map(|&i| train_set[i].0.len()).sum::<usize>();
+        tokens_seen += batch.iter().map(|&i| train_set[i].tokens().len()).sum::<usize>();
         let a = hits as f64 / rows.max(1) as f64;
         running[0] = if step == start_step + 1 { a } else { 0.9 * running[0] + 0.1 * a };
         progress(step, total_steps, lv, &running, tokens_seen as f64 / t_train.elapsed().as_secs_f64());

@@ -2,8 +2,8 @@
 //!
 //! A node is a path of ranks from the root, Medusa-style: `[0, 1]` means "head 0's best guess,
 //! then head 1's second-best". A [`Tree`] can only be built prefix-closed (every node's parent is
-//! in the tree) and is stored breadth-first, so parents always precede children, which is what the
-//! tree mask, the positions and KV compaction rely on.
+//! in the tree) and parents always precede children (breadth-first from rank paths; grafted
+//! nodes are appended), which is what the tree mask, the positions and KV compaction rely on.
 use std::path::Path;
 
 use crate::kernels::TreeMask;
@@ -172,6 +172,20 @@ impl Tree {
     pub fn positions(&self, committed: usize) -> Vec<usize> {
         self.nodes.iter().map(|n| committed + n.depth).collect()
     }
+    /// Add a node under `parent` with the next free rank there (after its other children, so it
+    /// is tried last) and return its index. Appended at the end: parents still come first, which
+    /// is all the mask, positions and compaction need.
+    pub fn add_child(&mut self, parent: usize) -> usize {
+        let p = &self.nodes[parent];
+        let rank = p.children.iter().map(|&c| self.nodes[c].rank + 1).max().unwrap_or(0);
+        let mut path = p.path.clone();
+        path.push(rank);
+        let id = self.nodes.len();
+        self.nodes.push(Node { parent: Some(parent), depth: p.depth + 1, rank, children: vec![], path });
+        self.nodes[parent].children.push(id);
+        id
+    }
+
     /// Node indices from the root to `i`.
     pub fn path_to(&self, mut i: usize) -> Vec<usize> {
         let mut p = vec![i];

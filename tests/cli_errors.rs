@@ -105,7 +105,7 @@ fn bad_heads_and_trees() {
     let dir = scratch("cli-heads-dir");
     // Two heads, trained briefly.
     let cfg = selfspec::train::TrainConfig { num_heads: 2, epochs: 1, seq_len: 32, batch_tokens: 64, draft_vocab: 0, val_fraction: 0.0, ..Default::default() };
-    let docs = vec!["the cat sat on the mat and the dog ran in the sun ".repeat(8)];
+    let docs = vec![selfspec::data::Document::plain("the cat sat on the mat and the dog ran in the sun ".repeat(8))];
     let (h, _) = selfspec::train::train(&t, &docs, &cfg, &dir.join("ck"), false, None, &mut |_, _, _, _, _| {}, &mut |_| {}).unwrap();
     let heads = dir.join("heads");
     h.save(&heads).unwrap();
@@ -149,6 +149,21 @@ fn draft_layer_through_the_cli() {
     let (code, _, err) = run(&["tune", "--model", m, "--heads", os, "--prompts", prompts.to_str().unwrap(), "--out", tree.to_str().unwrap(), "--max-nodes", "4", "--max-tokens", "8"]);
     assert_eq!(code, 0, "{err}");
     assert!(tree.exists());
+    // The tuned file, with a lookup branch written into it or added by hand, drives `eval`.
+    let ts = tree.to_str().unwrap();
+    let plan = selfspec::spec::Plan::parse(&format!("{ts}+lookup:3")).unwrap();
+    assert_eq!(plan.lookup.map(|l| l.max_tokens), Some(3));
+    let (code, out_s, err) = run(&["eval", "--model", m, "--heads", os, "--prompts", prompts.to_str().unwrap(), "--tree", ts, "--tree", &format!("{ts}+lookup:3"), "--max-tokens", "8"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out_s.contains("+lookup:3") && out_s.contains("copied"), "{out_s}");
+    expect_error(&["eval", "--model", m, "--heads", os, "--prompts", prompts.to_str().unwrap(), "--tree", "chain:2+ngram"], &["+ngram", "lookup"]);
     expect_error(&["export-heads", "--model", m, "--heads", os, "--out", dir.join("medusa").to_str().unwrap()], &["draft layer", "Medusa"]);
+    // 8-bit storage loads back and drafts.
+    let q8 = dir.join("layer-q8");
+    let (code, _, err) = run(&["export-heads", "--model", m, "--heads", os, "--out", q8.to_str().unwrap(), "--format", "q8"]);
+    assert_eq!(code, 0, "{err}");
+    let (code, _, err) = run(&["generate", "--model", m, "--prompt", "the cat", "--heads", q8.to_str().unwrap(), "--tree", "chain:2", "--max-tokens", "8", "--compare"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("outputs identical"), "{err}");
     expect_error(&["generate", "--model", m, "--prompt", "the", "--heads", os, "--tree", "chain:9"], &["9 deep", "draft layer"]);
 }

@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use candle_core::{Device, Tensor};
 use candle_nn::VarMap;
 use common::*;
+use selfspec::draft_layer::StoreFormat;
 use selfspec::draft_layer::{DraftLayer, DraftLayerConfig, TrainLayer};
 use selfspec::drafter::Drafter;
 use selfspec::generate::{generate_plain, StopRule};
@@ -81,7 +82,7 @@ fn drafting_with_a_layer_keeps_greedy_output_exact() {
         let stop = StopRule { max_new_tokens: 40, eos_ids: &[] };
         let (plain, _) = generate_plain(&t.model, prompt, &params, &stop, &mut rng(0), &mut |_| Ok(())).unwrap();
         for tree in &trees {
-            let opts = SpecOptions { tree: tree.clone(), rule: Rule::Greedy, params: params.clone(), stop: StopRule { max_new_tokens: 40, eos_ids: &[] } };
+            let opts = SpecOptions { tree: tree.clone(), lookup: None, rule: Rule::Greedy, params: params.clone(), stop: StopRule { max_new_tokens: 40, eos_ids: &[] } };
             let (out, stats) = generate_spec(&t.model, &drafter, prompt, &opts, &mut rng(0), &mut |_| Ok(())).unwrap();
             assert_eq!(out, plain, "prompt {p}, tree {tree:?}");
             assert!(stats.gen.target_forwards <= plain.len());
@@ -114,7 +115,7 @@ fn run(t: &selfspec::loader::Target, cfg: &TrainConfig, out: &std::path::Path, r
 }
 
 fn saved(l: &DraftLayer, dir: &std::path::Path) -> Vec<(String, Vec<f32>)> {
-    l.save_as(dir, false).unwrap();
+    l.save_as(dir, StoreFormat::F32).unwrap();
     let m: HashMap<String, Tensor> = candle_core::safetensors::load(dir.join("draft.safetensors"), &Device::Cpu).unwrap();
     let mut v: Vec<(String, Vec<f32>)> = m.into_iter().map(|(k, t)| (k, to_vec(&t))).collect();
     v.sort_by(|a, b| a.0.cmp(&b.0));
@@ -143,7 +144,7 @@ fn layer_training_learns_resumes_and_round_trips() {
 
     // Files round-trip to the same drafts, through the directory loader that picks the kind.
     let dir = scratch("layer-train-out");
-    full.save_as(&dir, false).unwrap();
+    full.save_as(&dir, StoreFormat::F32).unwrap();
     let back = match Drafter::from_dir(&dir, &t).unwrap() {
         Drafter::Layer(l) => l,
         Drafter::Heads(_) => panic!("a draft.json directory must load as a layer"),
@@ -151,6 +152,31 @@ fn layer_training_learns_resumes_and_round_trips() {
     let x = Tensor::randn(0f32, 1., (2, t.model.config().hidden_size), &Device::Cpu).unwrap();
     assert_eq!(back.top_k(&x, 5).unwrap(), full.top_k(&x, 5).unwrap());
     assert_eq!(back.draft_vocab(), full.draft_vocab());
+    // 8-bit storage: a quarter of the size, the same drafts up to rounding.
+    let q8 = scratch("layer-train-q8");
+    full.save_as(&q8, StoreFormat::Q8).unwrap();
+    let size = |d: &std::path::Path| std::fs::metadata(d.join("draft.safetensors")).unwrap().len() as f64;
+    assert!(size(&q8) < 0.45 * size(&dir), "q8 file {} vs f32 {}", size(&q8), size(&dir));
+    let lq = DraftLayer::from_dir(&q8, &t).unwrap();
+    let draft = |l: &DraftLayer| -> Vec<Vec<(u32, f32)>> {
+        let mut c = l.new_cache().unwrap();
+        let f = l.forward(&x, &[3, 4], &[0, 1], &TreeMask::causal(2), &mut c, &t.model).unwrap();
+        l.top_k(&f, 3).unwrap()
+    };
+    let (a, b) = (draft(&lq), draft(&full));
+    assert_ne!(a, b, "8-bit weights round");
+    for (ra, rb) in a.iter().zip(&b) {
+        assert_eq!(ra[0].0, rb[0].0, "q8 changes the top draft: {ra:?} vs {rb:?}");
+        for (pa, pb) in ra.iter().zip(rb) {
+            assert!((pa.1 - pb.1).abs() < 0.02, "q8 drafts drift: {ra:?} vs {rb:?}");
+        }
+    }
+    let mut ts: HashMap<String, Tensor> = candle_core::safetensors::load(q8.join("draft.safetensors"), &Device::Cpu).unwrap();
+    let scale = ts.keys().find(|k| k.ends_with(".q8scale")).unwrap().clone();
+    ts.remove(&scale);
+    candle_core::safetensors::save(&ts, q8.join("draft.safetensors")).unwrap();
+    let e = DraftLayer::from_dir(&q8, &t).err().unwrap().to_string();
+    assert!(e.contains("draft.safetensors") && e.contains("without their scales"), "{e}");
     // Another target is refused, naming both.
     let (_, other) = tiny_gguf("layer-train-other", 98);
     let e = DraftLayer::from_dir(&dir, &other).err().expect("must refuse").to_string();

@@ -6,7 +6,7 @@ use selfspec::data::{read_prompts, PromptItem};
 use selfspec::distill::{answer, append_record, done_ids};
 use selfspec::eval::{evaluate, mark_drafted, to_markdown, to_svg, EvalOptions};
 use selfspec::sampling::SamplingParams;
-use selfspec::spec::TreeChoice;
+use selfspec::spec::{Plan, TreeChoice};
 use selfspec::tree::Tree;
 
 fn prompts() -> Vec<PromptItem> {
@@ -20,12 +20,16 @@ fn prompts() -> Vec<PromptItem> {
 fn eval_reports_tau_identity_and_files() {
     let (_, t) = tiny_gguf("eval", 31);
     let cfg = selfspec::train::TrainConfig { num_heads: 2, epochs: 1, seq_len: 32, batch_tokens: 64, draft_vocab: 0, val_fraction: 0.0, ..Default::default() };
-    let docs = vec!["the cat sat on the mat and the dog ran in the sun ".repeat(8)];
+    let docs = vec![selfspec::data::Document::plain("the cat sat on the mat and the dog ran in the sun ".repeat(8))];
     let (heads, _) = selfspec::train::train(&t, &docs, &cfg, &scratch("eval-train"), false, None, &mut |_, _, _, _, _| {}, &mut |_| {}).unwrap();
     let mut calls = 0;
     let mut prog = |_: usize, _: usize| calls += 1;
     let mut opts = EvalOptions {
-        trees: vec![("chain".into(), TreeChoice::Static(Tree::chain(2))), ("dyn".into(), TreeChoice::Dynamic(5))],
+        trees: vec![
+            ("chain".into(), Plan { tree: TreeChoice::Static(Tree::chain(2)), lookup: None }),
+            ("dyn".into(), Plan { tree: TreeChoice::Dynamic(5), lookup: None }),
+            ("chain:2+lookup:3".into(), Plan::parse("chain:2+lookup:3").unwrap()),
+        ],
         params: SamplingParams::greedy(),
         max_tokens: 12,
         seed: 1,

@@ -63,6 +63,30 @@ fn loss_decreases_and_backbone_is_frozen() {
 }
 
 #[test]
+fn conversations_train_on_the_answers_only() {
+    let (_, t) = tiny_gguf("train-scored", 24);
+    let msg = |role: &str, content: &str| selfspec::tokenizer::Message { role: role.into(), content: content.into() };
+    let render = |m: &[selfspec::tokenizer::Message]| -> selfspec::Result<String> {
+        Ok(m.iter().map(|x| format!("<{}> {} </{}>\n", x.role, x.content, x.role)).collect())
+    };
+    let conv = [msg("system", "you are a cat"), msg("user", "what do you sit on"), msg("assistant", "the mat, the mat, always the mat")];
+    let doc = selfspec::data::Document::conversation(&conv, &render).unwrap();
+    let chunks = selfspec::train::chunk_documents(&t, &[doc.clone()], 1000, 1).unwrap();
+    assert_eq!(chunks.len(), 1);
+    let c = &chunks[0];
+    let answer: Vec<u32> = c.tokens.iter().zip(&c.scored).filter(|(_, &s)| s).map(|(&x, _)| x).collect();
+    assert_eq!(t.tokenizer.decode(&answer).unwrap().trim(), "the mat, the mat, always the mat");
+    assert!(c.scored.iter().filter(|&&s| !s).count() > 5, "the template and question are not scored");
+    // The offsets line up with plain encoding.
+    assert_eq!(c.tokens, t.tokenizer.encode(&doc.text, true).unwrap());
+    // A chunk holding only prompt text is dropped; plain text is scored throughout.
+    let chunks = selfspec::train::chunk_documents(&t, &[doc], 8, 1).unwrap();
+    assert!(chunks.iter().all(|c| c.scored.iter().any(|&s| s)));
+    let plain = selfspec::train::chunk_documents(&t, &corpus()[..1], 64, 1).unwrap();
+    assert!(plain.iter().all(|c| c.scored.iter().all(|&s| s)));
+}
+
+#[test]
 fn resumed_run_matches_uninterrupted_run() {
     let (_, t) = tiny_gguf("train-resume", 22);
     let full_dir = scratch("train-resume-full");
@@ -166,7 +190,7 @@ fn corpus_errors_are_clear() {
 fn validation_chunks_are_held_out_by_content() {
     let (_, t) = tiny_gguf("train-holdout", 26);
     let cfg = TrainConfig { epochs: 1, ..quick_cfg() };
-    let same = vec!["the cat sat on the mat and the dog ran in the sun all day long. ".repeat(4); 10];
+    let same = vec![selfspec::data::Document::plain("the cat sat on the mat and the dog ran in the sun all day long. ".repeat(4)); 10];
     let e = train(&t, &same, &cfg, &scratch("holdout-same"), false, None, &mut |_, _, _, _, _| {}, &mut |_| {}).err().expect("must refuse");
     assert!(e.to_string().contains("no training chunk is left"), "{e}");
 }

@@ -11,6 +11,7 @@ use candle_nn::VarBuilder;
 use common::*;
 use selfspec::generate::{generate_plain, StopRule};
 use selfspec::heads::{Heads, HeadsConfig};
+use selfspec::lookup::Lookup;
 use selfspec::loader::Fingerprint;
 use selfspec::model::{row_to_vec, Llama};
 use selfspec::sampling::{rng, SamplingParams};
@@ -111,9 +112,9 @@ fn erfc(x: f64) -> f64 {
     if x >= 0.0 { r } else { 2.0 - r }
 }
 
-fn sample_runs(model: &Llama, heads: &Drafter, prompt: &[u32], params: &SamplingParams, rule: Rule, n: usize) -> Vec<usize> {
+fn sample_runs(model: &Llama, heads: &Drafter, prompt: &[u32], params: &SamplingParams, rule: Rule, lookup: Option<Lookup>, n: usize) -> Vec<usize> {
     let tree = Tree::from_paths(&[vec![0], vec![1], vec![2], vec![0, 0], vec![0, 1], vec![1, 0]]).unwrap();
-    let opts = SpecOptions { tree: TreeChoice::Static(tree), rule, params: params.clone(), stop: StopRule { max_new_tokens: 3, eos_ids: &[] } };
+    let opts = SpecOptions { tree: TreeChoice::Static(tree), lookup, rule, params: params.clone(), stop: StopRule { max_new_tokens: 3, eos_ids: &[] } };
     let mut counts = vec![0usize; 16 * 16 * 16];
     for seed in 0..n as u64 {
         let (out, _) = generate_spec(model, heads, prompt, &opts, &mut rng(seed), &mut |_| Ok(())).unwrap();
@@ -133,10 +134,16 @@ fn speculative_sampling_matches_the_target_distribution() {
     ] {
         let exact = exact_joint(&model, &prompt, &params);
         assert!((exact.iter().sum::<f64>() - 1.0).abs() < 1e-9);
-        let counts = sample_runs(&model, &heads, &prompt, &params, Rule::Sample, n);
+        let counts = sample_runs(&model, &heads, &prompt, &params, Rule::Sample, None, n);
         let p = chi_square_p(&counts, &exact, n);
         assert!(p >= 0.001, "exact rule rejected: p = {p} for {params:?}");
-        let broken = sample_runs(&model, &heads, &prompt, &params, Rule::BrokenResampleFromTarget, n);
+        // With a branch copied from the context grafted on (the prompt's last token 3 also opens
+        // it, so the copy 7 1 3 is always proposed): still the target's distribution.
+        let lookup = Lookup { max_tokens: 3, min_match: 1, max_match: 2 };
+        let counts = sample_runs(&model, &heads, &prompt, &params, Rule::Sample, Some(lookup), n);
+        let p = chi_square_p(&counts, &exact, n);
+        assert!(p >= 0.001, "exact rule with lookup rejected: p = {p} for {params:?}");
+        let broken = sample_runs(&model, &heads, &prompt, &params, Rule::BrokenResampleFromTarget, None, n);
         let pb = chi_square_p(&broken, &exact, n);
         assert!(pb < 0.001, "the test failed to catch a broken rule: p = {pb} for {params:?}");
     }
@@ -166,7 +173,7 @@ fn greedy_self_speculation_is_identical_to_plain_greedy() {
         let (plain, _) = generate_plain(&t.model, &ids, &params, &stop, &mut rng(0), &mut |_| Ok(())).unwrap();
         tokens += plain.len();
         for (j, (name, tree)) in trees.iter().enumerate() {
-            let opts = SpecOptions { tree: TreeChoice::Static(tree.clone()), rule: Rule::Greedy, params: params.clone(), stop: StopRule { max_new_tokens: 128, eos_ids: &t.tokenizer.eos_ids } };
+            let opts = SpecOptions { tree: TreeChoice::Static(tree.clone()), lookup: None, rule: Rule::Greedy, params: params.clone(), stop: StopRule { max_new_tokens: 128, eos_ids: &t.tokenizer.eos_ids } };
             let (spec, stats) = generate_spec(&t.model, &heads, &ids, &opts, &mut rng(0), &mut |_| Ok(())).unwrap();
             assert_eq!(spec, plain, "prompt {i} ({}), tree {name}: self-speculative output differs from plain greedy", item.turns[0]);
             forwards[j] += stats.gen.target_forwards;
@@ -188,19 +195,28 @@ fn greedy_speculation_with_the_committed_draft_layer_is_exact() {
     assert_eq!(drafter.kind(), "draft layer");
     let prompts = selfspec::data::read_prompts(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/prompts/eval.jsonl")).unwrap();
     let params = SamplingParams::greedy();
-    let trees = [TreeChoice::Static(Tree::chain(4)), TreeChoice::Static(Tree::cpu_default()), TreeChoice::Dynamic(10)];
-    let (mut forwards, mut tokens) = (0usize, 0usize);
+    let lookup = Some(Lookup::default());
+    let trees = [
+        (TreeChoice::Static(Tree::chain(4)), None),
+        (TreeChoice::Static(Tree::cpu_default()), None),
+        (TreeChoice::Dynamic(10), None),
+        (TreeChoice::Static(Tree::chain(2)), lookup),
+        (TreeChoice::Dynamic(6), lookup),
+    ];
+    let (mut forwards, mut tokens, mut copied) = (0usize, 0usize, 0usize);
     for item in prompts.iter().skip(4).take(6) {
         let ids = t.encode_prompt(&item.turns[0], true).unwrap();
         let stop = StopRule { max_new_tokens: 96, eos_ids: &t.tokenizer.eos_ids };
         let (plain, _) = generate_plain(&t.model, &ids, &params, &stop, &mut rng(0), &mut |_| Ok(())).unwrap();
-        for tree in &trees {
-            let opts = SpecOptions { tree: tree.clone(), rule: Rule::Greedy, params: params.clone(), stop: StopRule { max_new_tokens: 96, eos_ids: &t.tokenizer.eos_ids } };
+        for (tree, lookup) in &trees {
+            let opts = SpecOptions { tree: tree.clone(), lookup: *lookup, rule: Rule::Greedy, params: params.clone(), stop: StopRule { max_new_tokens: 96, eos_ids: &t.tokenizer.eos_ids } };
             let (spec, stats) = generate_spec(&t.model, &drafter, &ids, &opts, &mut rng(0), &mut |_| Ok(())).unwrap();
-            assert_eq!(spec, plain, "{:?}, tree {tree:?}: output differs from plain greedy", item.turns[0]);
+            assert_eq!(spec, plain, "{:?}, tree {tree:?}, lookup {lookup:?}: output differs from plain greedy", item.turns[0]);
             forwards += stats.gen.target_forwards;
             tokens += plain.len();
+            copied += stats.lookup_accepted;
         }
     }
     assert!(forwards * 5 < tokens * 4, "{forwards} forwards for {tokens} tokens: the layer hardly drafts");
+    assert!(copied > 0, "the context lookup never contributed an accepted token");
 }

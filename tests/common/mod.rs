@@ -124,11 +124,11 @@ pub fn check_tree_equivalence(model: &Llama, prompt: &[u32], n: usize, seed: u64
 
 /// A training corpus: repetitive (so drafters can learn it) but with every document, and so every
 /// chunk, different: validation chunks are held out by content.
-pub fn corpus() -> Vec<String> {
+pub fn corpus() -> Vec<selfspec::data::Document> {
     (0..12)
         .map(|i| {
             let base = format!("the cat {i} sat on the mat. the dog ran in the sun. then the cat ran after the dog. ");
-            format!("{} {}", base.repeat(3), "the end ".repeat(i % 3 + 1))
+            selfspec::data::Document::plain(format!("{} {}", base.repeat(3), "the end ".repeat(i % 3 + 1)))
         })
         .collect()
 }
