@@ -174,7 +174,7 @@ mod tests {
         assert!(read_prompts(&p).is_err());
         let bad = d.join("bad.txt");
         std::fs::write(&bad, [0xffu8, 0xfe, 0x00]).unwrap();
-        let e = read_corpus(&[bad.clone()], &|_| Ok(String::new())).unwrap_err().to_string();
+        let e = read_corpus(std::slice::from_ref(&bad), &|_| Ok(String::new())).unwrap_err().to_string();
         assert!(e.contains("bad.txt") && e.contains("UTF-8"), "{e}");
         let empty = d.join("empty.txt");
         std::fs::write(&empty, "  \n").unwrap();

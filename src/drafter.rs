@@ -21,6 +21,8 @@ use crate::{Error, Result};
 /// more (small) forward.
 pub const LAYER_MAX_DEPTH: usize = 8;
 
+/// One drafter per run, so the variants' size difference costs nothing worth a box.
+#[allow(clippy::large_enum_variant)]
 pub enum Drafter {
     Heads(Heads),
     Layer(DraftLayer),

@@ -319,7 +319,7 @@ pub fn to_svg(r: &EvalReport) -> String {
     let mut acc: Vec<(String, f64, &str)> = Vec::new();
     for (k, (a, b)) in s.head_top1.iter().zip(&s.head_top5).enumerate() {
         acc.push((format!("L{} top1", k + 1), *a, "#228833"));
-        acc.push((format!("top5"), *b, "#88cc88"));
+        acc.push(("top5".to_string(), *b, "#88cc88"));
     }
     chart(&mut svg, 400.0, "drafting accuracy per level vs the target's tokens", &acc, 1.0);
     svg.push_str("</svg>\n");
