@@ -29,6 +29,10 @@ impl Lookup {
     /// Split a tree spec like `dynamic:8+lookup` or `tree.json+lookup:4` into the tree part and
     /// the lookup (with `:N` tokens at most).
     pub fn split_spec(spec: &str) -> Result<(&str, Option<Lookup>)> {
+        // A tree file whose name holds a '+' is just a tree file.
+        if std::path::Path::new(spec).is_file() {
+            return Ok((spec, None));
+        }
         let Some((tree, extra)) = spec.rsplit_once('+') else { return Ok((spec, None)) };
         let n = match extra.strip_prefix("lookup") {
             Some("") => Lookup::default().max_tokens,
@@ -128,19 +132,12 @@ mod tests {
         let last = tree.len() - 1;
         let path: Vec<u32> = tree.path_to(last).iter().map(|&i| tokens[i]).collect();
         assert_eq!(path, vec![5, 6, 2, 4, 1]);
-        assert!(TreeMaskCheck::parents_first(&tree));
+        assert!(tree.nodes().iter().enumerate().all(|(i, n)| n.parent.is_none_or(|p| p < i)), "parents come first");
         // The node budget is respected.
         let mut small = Tree::from_paths(&[]).unwrap();
         let mut toks = vec![5];
         assert_eq!(l.graft(&mut small, &mut toks, &[5, 6, 2, 4, 1, 5], 3), 2);
         assert_eq!(small.len(), 3);
-    }
-
-    struct TreeMaskCheck;
-    impl TreeMaskCheck {
-        fn parents_first(t: &Tree) -> bool {
-            t.nodes().iter().enumerate().all(|(i, n)| n.parent.is_none_or(|p| p < i))
-        }
     }
 
     #[test]
@@ -161,5 +158,9 @@ mod tests {
         assert!(Lookup::from_tree_file(&f).unwrap().is_none());
         std::fs::write(&f, r#"{"paths": [[0]], "lookup": -2}"#).unwrap();
         assert!(Lookup::from_tree_file(&f).unwrap_err().to_string().contains("t.json"));
+        let plus = d.join("a+b.json");
+        std::fs::write(&plus, "[[0]]").unwrap();
+        let name = plus.to_str().unwrap();
+        assert_eq!(Lookup::split_spec(name).unwrap(), (name, None));
     }
 }
