@@ -25,7 +25,7 @@ fn main() -> anyhow::Result<()> {
         let (mut p, mut c) = (Vec::new(), Vec::new());
         for _ in 0..21 {
             let t = Instant::now();
-            let prop = state.propose(&target.model, 42, &choice, 1, usize::MAX)?;
+            let prop = state.propose(&target.model, 42, &choice, 1, usize::MAX, 0.0)?;
             p.push(t.elapsed().as_secs_f64() * 1e3);
             let t = Instant::now();
             let h = hidden.narrow(0, 0, prop.tree.len())?;

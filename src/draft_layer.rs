@@ -247,6 +247,10 @@ impl DraftLayer {
     pub fn config(&self) -> &DraftLayerConfig {
         &self.cfg
     }
+    /// The trained tensors by name (f32), e.g. to continue training from them.
+    pub fn weights(&self) -> &HashMap<String, Tensor> {
+        &self.tensors
+    }
     pub fn draft_vocab(&self) -> &[u32] {
         &self.ids
     }

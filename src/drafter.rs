@@ -68,7 +68,7 @@ impl Drafter {
                 Drafter::Heads(_) => t.validate_for(self.max_depth(), TOP_K_LIMIT),
                 Drafter::Layer(_) => t.validate_against(self.max_depth(), "levels a draft layer drafts", TOP_K_LIMIT),
             },
-            TreeChoice::Dynamic(_) => Ok(()),
+            TreeChoice::Dynamic(_) | TreeChoice::Auto(_) => Ok(()),
         }
     }
 
@@ -97,6 +97,9 @@ pub struct Proposal {
     /// Per level below the root (per head for heads, level 1 only for a layer), the top guesses
     /// made from the root, for accuracy against what the target then emits.
     pub guesses: Vec<Vec<u32>>,
+    /// Per node, the drafter's own probability of the path to it (product of its guesses'
+    /// probabilities; root 1), for choosing which nodes are worth verifying.
+    pub scores: Vec<f64>,
 }
 
 pub enum DraftState<'a> {
@@ -108,32 +111,42 @@ pub enum DraftState<'a> {
 
 impl DraftState<'_> {
     /// Draft a tree under `root` (the last emitted token). `keep` = guesses recorded per level.
-    pub fn propose(&mut self, model: &Llama, root: u32, choice: &TreeChoice, keep: usize, max_nodes: usize) -> Result<Proposal> {
+    /// `min_expand`: for `auto` trees, a path probability below which a node is not expanded
+    /// (nothing under it could be worth verifying).
+    #[allow(clippy::too_many_arguments)]
+    pub fn propose(&mut self, model: &Llama, root: u32, choice: &TreeChoice, keep: usize, max_nodes: usize, min_expand: f64) -> Result<Proposal> {
         match self {
             DraftState::Heads { heads, h_last } => {
                 let want = match choice {
                     TreeChoice::Static(t) => t.ranks_per_depth().into_iter().max().unwrap_or(1),
                     TreeChoice::Dynamic(n) => (*n).min(TOP_K_LIMIT),
+                    TreeChoice::Auto(b) => b.max_nodes.min(TOP_K_LIMIT),
                 };
                 let top = heads.draft_top_k(h_last, root, model, want.max(keep))?;
                 let guesses = top.iter().map(|r| r.iter().take(keep).map(|x| x.0).collect()).collect();
                 let mut tree = match choice {
                     TreeChoice::Static(t) => t.clone(),
                     TreeChoice::Dynamic(n) => dynamic_tree(&top.iter().map(|r| r[..want.min(r.len())].to_vec()).collect::<Vec<_>>(), *n),
+                    TreeChoice::Auto(b) => dynamic_tree(&top.iter().map(|r| r[..want.min(r.len())].to_vec()).collect::<Vec<_>>(), b.max_nodes),
                 };
                 if tree.len() > max_nodes {
                     tree = Tree::from_paths(&[]).expect("root-only tree");
                 }
                 let tokens = tree.nodes().iter().map(|n| if n.depth == 0 { root } else { top[n.depth - 1][n.rank].0 }).collect();
-                Ok(Proposal { tree, tokens, guesses })
+                let mut scores = vec![1.0f64; tree.len()];
+                for (i, n) in tree.nodes().iter().enumerate().skip(1) {
+                    scores[i] = scores[n.parent.expect("non-root")] * top[n.depth - 1][n.rank].1 as f64;
+                }
+                Ok(Proposal { tree, tokens, guesses, scores })
             }
             DraftState::Layer { layer, cache, root_feat } => {
                 let grown = match choice {
                     TreeChoice::Static(t) => grow_static(layer, cache, root_feat, model, root, t, keep)?,
-                    TreeChoice::Dynamic(n) => grow_dynamic(layer, cache, root_feat, model, root, *n, keep)?,
+                    TreeChoice::Dynamic(n) => grow_dynamic(layer, cache, root_feat, model, root, *n, keep, 0.0)?,
+                    TreeChoice::Auto(b) => grow_dynamic(layer, cache, root_feat, model, root, b.max_nodes, keep, min_expand)?,
                 };
                 if grown.tree.len() > max_nodes {
-                    return Ok(Proposal { tree: Tree::from_paths(&[]).expect("root-only tree"), tokens: vec![root], guesses: grown.guesses });
+                    return Ok(Proposal { tree: Tree::from_paths(&[]).expect("root-only tree"), tokens: vec![root], guesses: grown.guesses, scores: vec![1.0] });
                 }
                 Ok(grown)
             }
@@ -232,15 +245,17 @@ fn proposal_from(nodes: &[Grown], keep_idx: &[usize], guesses: Vec<Vec<u32>>) ->
         p.reverse();
         p
     };
-    let mut token_of: HashMap<Vec<usize>, u32> = HashMap::new();
+    let mut node_of: HashMap<Vec<usize>, usize> = HashMap::new();
     let paths: Vec<Vec<usize>> = keep_idx.iter().filter(|&&i| i != 0).map(|&i| {
         let p = path_of(i);
-        token_of.insert(p.clone(), nodes[i].token);
+        node_of.insert(p.clone(), i);
         p
     }).collect();
     let tree = Tree::from_paths(&paths)?;
-    let tokens = tree.nodes().iter().map(|n| if n.depth == 0 { nodes[0].token } else { token_of[&n.path] }).collect();
-    Ok(Proposal { tree, tokens, guesses })
+    let source = |n: &crate::tree::Node| if n.depth == 0 { 0 } else { node_of[&n.path] };
+    let tokens = tree.nodes().iter().map(|n| nodes[source(n)].token).collect();
+    let scores = tree.nodes().iter().map(|n| nodes[source(n)].score).collect();
+    Ok(Proposal { tree, tokens, guesses, scores })
 }
 
 fn grow_static(layer: &DraftLayer, cache: &mut KvCache, root_feat: &Tensor, model: &Llama, root: u32, t: &Tree, keep: usize) -> Result<Proposal> {
@@ -277,7 +292,8 @@ fn grow_static(layer: &DraftLayer, cache: &mut KvCache, root_feat: &Tensor, mode
 /// product of the layer's own probabilities along the path) by their top children, then keep the
 /// `max_nodes` most probable nodes overall. A child never scores above its parent, so the kept
 /// set is prefix-closed.
-fn grow_dynamic(layer: &DraftLayer, cache: &mut KvCache, root_feat: &Tensor, model: &Llama, root: u32, max_nodes: usize, keep: usize) -> Result<Proposal> {
+#[allow(clippy::too_many_arguments)]
+fn grow_dynamic(layer: &DraftLayer, cache: &mut KvCache, root_feat: &Tensor, model: &Llama, root: u32, max_nodes: usize, keep: usize, min_expand: f64) -> Result<Proposal> {
     // Each level costs one small forward of the layer, so the beam and depth scale with the
     // node budget: a few wide levels for a small tree, deeper chains for a big one.
     const CHILDREN: usize = 4;
@@ -304,7 +320,8 @@ fn grow_dynamic(layer: &DraftLayer, cache: &mut KvCache, root_feat: &Tensor, mod
         let mut scores: Vec<f64> = nodes[1..].iter().map(|n| n.score).collect();
         scores.sort_by(|a, b| b.total_cmp(a));
         let floor = scores.get(budget - 1).copied().unwrap_or(0.0);
-        let mut level: Vec<usize> = (start..nodes.len()).filter(|&i| nodes[i].score > floor || scores.len() < budget).collect();
+        let mut level: Vec<usize> =
+            (start..nodes.len()).filter(|&i| (nodes[i].score > floor || scores.len() < budget) && nodes[i].score >= min_expand).collect();
         level.sort_by(|&a, &b| nodes[b].score.total_cmp(&nodes[a].score).then(a.cmp(&b)));
         level.truncate(beam);
         if level.is_empty() {
@@ -407,7 +424,7 @@ impl Drafter {
             let mut v = Vec::new();
             for _ in 0..7 {
                 let t = std::time::Instant::now();
-                let p = state.propose(model, 0, choice, 1, usize::MAX)?;
+                let p = state.propose(model, 0, choice, 1, usize::MAX, 0.0)?;
                 let accepted: Vec<usize> = vec![0];
                 state.commit(model, &hidden.narrow(0, 0, p.tree.len())?, &accepted, &[1])?;
                 v.push(t.elapsed().as_secs_f64() * 1e3);

@@ -151,6 +151,12 @@ pub fn evaluate(target: &Target, drafter: &Drafter, prompts: &[PromptItem], opts
         let stop = StopRule { max_new_tokens: 8, eos_ids: &eos };
         generate_plain(&target.model, &ids, &opts.params, &stop, &mut rng(0), &mut |_| Ok(()))?;
     }
+    // `auto` trees: time this device's forward once for all prompts.
+    let plans: Vec<Plan> = opts
+        .trees
+        .iter()
+        .map(|(_, p)| Ok(Plan { tree: p.tree.clone().with_costs(&target.model, p.lookup.map_or(0, |l| l.max_tokens))?, lookup: p.lookup }))
+        .collect::<Result<_>>()?;
     let mut turns = Vec::new();
     let total: usize = prompts.iter().map(|p| p.turns.len()).sum();
     let mut sample = (String::new(), String::new());
@@ -165,7 +171,7 @@ pub fn evaluate(target: &Target, drafter: &Drafter, prompts: &[PromptItem], opts
             let (plain_out, plain) = generate_plain(&target.model, &ids, &opts.params, &stop, &mut rng(seed), &mut |_| Ok(()))?;
             let mut specs = Vec::new();
             let mut identical = Vec::new();
-            for (j, (_, plan)) in opts.trees.iter().enumerate() {
+            for (j, plan) in plans.iter().enumerate() {
                 let so = SpecOptions { tree: plan.tree.clone(), lookup: plan.lookup, rule, params: opts.params.clone(), stop: StopRule { max_new_tokens: opts.max_tokens, eos_ids: &eos } };
                 let (out, st) = generate_spec(&target.model, drafter, &ids, &so, &mut rng(seed), &mut |_| Ok(()))?;
                 identical.push(if greedy { Some(out == plain_out) } else { None });

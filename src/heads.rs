@@ -278,7 +278,7 @@ impl Heads {
         Ok(Tensor::stack(&outs, 0)?)
     }
 
-    fn tensors(&self) -> HashMap<String, Tensor> {
+    pub(crate) fn tensors(&self) -> HashMap<String, Tensor> {
         let mut m = HashMap::new();
         for (k, bs) in self.blocks.iter().enumerate() {
             for (l, b) in bs.iter().enumerate() {

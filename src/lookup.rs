@@ -81,23 +81,23 @@ impl Lookup {
 
     /// Graft the continuation of `context` under the root of `tree`: follow the drafter's nodes
     /// while they hold the same tokens, then add the rest as a chain, up to `max_nodes` nodes in
-    /// all. Returns how many nodes were added.
-    pub fn graft(&self, tree: &mut Tree, tokens: &mut Vec<u32>, context: &[u32], max_nodes: usize) -> usize {
+    /// all. Returns the copied branch: the node holding each copied token, the drafter's where
+    /// it merged (new nodes are the ones past the tree's old length).
+    pub fn graft(&self, tree: &mut Tree, tokens: &mut Vec<u32>, context: &[u32], max_nodes: usize) -> Vec<usize> {
         let mut at = 0;
-        let mut added = 0;
+        let mut branch = Vec::new();
         for tok in self.continuation(context) {
             if let Some(&c) = tree.node(at).children.iter().find(|&&c| tokens[c] == tok) {
                 at = c;
-                continue;
-            }
-            if tree.len() >= max_nodes {
+            } else if tree.len() < max_nodes {
+                at = tree.add_child(at);
+                tokens.push(tok);
+            } else {
                 break;
             }
-            at = tree.add_child(at);
-            tokens.push(tok);
-            added += 1;
+            branch.push(at);
         }
-        added
+        branch
     }
 }
 
@@ -126,9 +126,12 @@ mod tests {
         let order: Vec<Vec<usize>> = tree.nodes().iter().map(|n| n.path.clone()).collect();
         let mut tokens: Vec<u32> = order.iter().map(|p| match p.as_slice() { [] => 5, [0] => 8, [1] => 6, _ => 2 }).collect();
         // Context "5 6 2 4 1 5": after the last 5 came 6 2 4 1.
-        let added = l.graft(&mut tree, &mut tokens, &[5, 6, 2, 4, 1, 5], 100);
-        assert_eq!(added, 2, "6 and 2 are the drafter's nodes; 4 and 1 are new");
+        let before = tree.len();
+        let branch = l.graft(&mut tree, &mut tokens, &[5, 6, 2, 4, 1, 5], 100);
+        assert_eq!(tree.len() - before, 2, "6 and 2 are the drafter's nodes; 4 and 1 are new");
         assert_eq!(tree.len(), 6);
+        assert_eq!(branch.iter().map(|&i| tokens[i]).collect::<Vec<_>>(), vec![6, 2, 4, 1]);
+        assert_eq!(&branch[2..], &[4, 5]);
         let last = tree.len() - 1;
         let path: Vec<u32> = tree.path_to(last).iter().map(|&i| tokens[i]).collect();
         assert_eq!(path, vec![5, 6, 2, 4, 1]);
@@ -136,7 +139,7 @@ mod tests {
         // The node budget is respected.
         let mut small = Tree::from_paths(&[]).unwrap();
         let mut toks = vec![5];
-        assert_eq!(l.graft(&mut small, &mut toks, &[5, 6, 2, 4, 1, 5], 3), 2);
+        assert_eq!(l.graft(&mut small, &mut toks, &[5, 6, 2, 4, 1, 5], 3), vec![1, 2]);
         assert_eq!(small.len(), 3);
     }
 

@@ -85,7 +85,7 @@ struct SpecArgs {
     /// self-speculative decoding.
     #[arg(long)]
     heads: Option<PathBuf>,
-    /// cpu (8 nodes), gpu (64), chain, chain:N, dynamic, dynamic:N, or a tree JSON file;
+    /// cpu (8 nodes), gpu (64), chain, chain:N, dynamic, dynamic:N, auto, auto:N (cut per step by this device's measured costs), or a tree JSON file;
     /// append +lookup[:N] to graft up to N tokens copied from the context (prompt lookup).
     #[arg(long, default_value = "cpu")]
     tree: String,
@@ -199,6 +199,11 @@ enum Command {
         /// Draft layer: weight of the feature-regression loss next to the token loss (EAGLE uses 1).
         #[arg(long, default_value_t = 0.0)]
         feature_weight: f64,
+        /// Start from the trained heads or draft layer in this directory (same kind and shape;
+        /// its draft vocabulary is kept) instead of fresh weights: fine-tune on new data, or
+        /// train more epochs with a new schedule.
+        #[arg(long)]
+        init: Option<PathBuf>,
     },
     /// Acceptance length, per-head accuracy and speed-up against plain decoding, in one run.
     Eval {
@@ -209,7 +214,7 @@ enum Command {
         /// One prompt per line, JSONL with "prompt", or MT-Bench/Spec-Bench style "turns".
         #[arg(long)]
         prompts: PathBuf,
-        /// Trees to compare (repeatable): cpu, gpu, chain[:N], dynamic[:N], or a tree file, each
+        /// Trees to compare (repeatable): cpu, gpu, chain[:N], dynamic[:N], auto[:N], or a tree file, each
         /// optionally with +lookup[:N] (a branch copied from the context).
         #[arg(long, default_values_t = vec!["cpu".to_string()])]
         tree: Vec<String>,
@@ -454,7 +459,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Train {
             model, data, out, heads, layers, own_lm_head, epochs, lr, seq_len, batch_tokens, loss, decay,
             val_fraction, warmup, checkpoint_every, seed, resume, cache_hidden, max_steps, draft_vocab, no_root_token,
-            draft_layer, unroll, feature_weight,
+            draft_layer, unroll, feature_weight, init,
         } => {
             let cfg = TrainConfig {
                 num_heads: heads,
@@ -478,6 +483,7 @@ fn run(cli: Cli) -> Result<()> {
                 draft_layer,
                 unroll,
                 feature_weight,
+                init,
             };
             cfg.validate()?;
             let target = load(&model)?;

@@ -1,7 +1,10 @@
 //! Self-speculative decoding: heads draft a tree from the last accepted hidden state, one target
 //! forward checks the whole tree, [`crate::verify`] decides what is emitted, and the KV cache is
 //! compacted to the accepted path.
+use std::sync::Arc;
 use std::time::Instant;
+
+use crate::budget::{choose_nodes, Budget, Calibration, CostCurve};
 
 use crate::generate::{check_budget, prefill, GenStats, StopRule};
 use crate::lookup::Lookup;
@@ -18,11 +21,24 @@ pub enum TreeChoice {
     Static(Tree),
     /// Grow per step from the heads' probabilities, keeping this many nodes (root included).
     Dynamic(usize),
+    /// Grow as `Dynamic`, then verify only the nodes worth their cost on this device
+    /// ([`crate::budget`]).
+    Auto(Budget),
 }
 
 impl TreeChoice {
-    /// `cpu`, `gpu`, `chain`, `chain:N`, `dynamic`, `dynamic:N`, or a tree file.
+    /// `cpu`, `gpu`, `chain`, `chain:N`, `dynamic`, `dynamic:N`, `auto`, `auto:N`, or a tree file.
     pub fn parse(spec: &str) -> Result<Self> {
+        if spec == "auto" {
+            return Ok(TreeChoice::Auto(Budget { max_nodes: 16, costs: None }));
+        }
+        if let Some(n) = spec.strip_prefix("auto:") {
+            let n: usize = n.parse().map_err(|_| Error::InvalidTree(format!("bad node count in '{spec}'")))?;
+            if !(2..=64).contains(&n) {
+                return Err(Error::InvalidTree(format!("'{spec}': an auto tree grows 2 to 64 nodes")));
+            }
+            return Ok(TreeChoice::Auto(Budget { max_nodes: n, costs: None }));
+        }
         if spec == "dynamic" {
             return Ok(TreeChoice::Dynamic(8));
         }
@@ -38,6 +54,17 @@ impl TreeChoice {
 
     pub fn validate_for(&self, drafter: &Drafter) -> Result<()> {
         drafter.validate_tree(self)
+    }
+
+    /// For `auto`: measure this device's forward costs now (once, for many generations) unless
+    /// they are known. `extra` = nodes a lookup branch may add.
+    pub fn with_costs(self, model: &Llama, extra: usize) -> Result<Self> {
+        match self {
+            TreeChoice::Auto(Budget { max_nodes, costs: None }) => {
+                Ok(TreeChoice::Auto(Budget { max_nodes, costs: Some(Arc::new(CostCurve::measure(model, max_nodes + extra)?)) }))
+            }
+            other => Ok(other),
+        }
     }
 }
 
@@ -124,6 +151,14 @@ pub fn generate_spec(
 ) -> Result<(Vec<u32>, SpecStats)> {
     opts.params.validate()?;
     opts.tree.validate_for(drafter)?;
+    let costs = match &opts.tree {
+        TreeChoice::Auto(b) => Some(match &b.costs {
+            Some(c) => c.clone(),
+            None => Arc::new(CostCurve::measure(model, b.max_nodes + opts.lookup.map_or(0, |l| l.max_tokens))?),
+        }),
+        _ => None,
+    };
+    let mut calib = Calibration::default();
     let max_pos = model.config().max_position;
     let budget = check_budget(prompt.len(), opts.stop.max_new_tokens, max_pos)?;
     let t0 = Instant::now();
@@ -148,14 +183,38 @@ pub fn generate_spec(
         let committed = cache.len();
         let root = *out.last().unwrap();
         let t_step = Instant::now();
-        let proposal = state.propose(model, root, &opts.tree, ACC_K, max_pos - committed)?;
+        let min_expand = costs.as_ref().map_or(0.0, |c| c.first_step() / calib.drafter_factor());
+        let proposal = state.propose(model, root, &opts.tree, ACC_K, max_pos - committed, min_expand)?;
         drafts.push((out.len() - 1, proposal.guesses));
-        let (mut tree, mut tokens) = (proposal.tree, proposal.tokens);
-        // Nodes from here on were grafted by the lookup.
-        let drafted_nodes = tree.len();
-        if let Some(l) = &opts.lookup {
-            stats.lookup_nodes += l.graft(&mut tree, &mut tokens, &history, max_pos - committed);
+        let (mut tree, mut tokens, scores) = (proposal.tree, proposal.tokens, proposal.scores);
+        // Nodes from `drafted_nodes` on were grafted by the lookup; `branch` is the copied path.
+        let mut drafted_nodes = tree.len();
+        let mut branch = match &opts.lookup {
+            Some(l) => l.graft(&mut tree, &mut tokens, &history, max_pos - committed),
+            None => Vec::new(),
+        };
+        let mut kept_scores: Vec<f64> = scores[1..].to_vec();
+        if let Some(costs) = &costs {
+            let f = calib.drafter_factor();
+            let mut est: Vec<f64> = (0..tree.len()).map(|i| if i < drafted_nodes { scores[i] * f } else { 0.0 }).collect();
+            let mut q = 1.0;
+            for (j, &i) in branch.iter().enumerate() {
+                q *= calib.lookup_precision(j);
+                est[i] = est[i].max(q);
+            }
+            let steps = stats.gen.target_forwards.max(1) as f64;
+            let keep = choose_nodes(&tree, &est, costs, stats.time.draft * 1e3 / steps);
+            let mut new_of = vec![usize::MAX; tree.len()];
+            for (j, &i) in keep.iter().enumerate() {
+                new_of[i] = j;
+            }
+            tree = tree.restrict(&keep)?;
+            tokens = keep.iter().map(|&i| tokens[i]).collect();
+            kept_scores = keep.iter().filter(|&&i| i != 0 && i < drafted_nodes).map(|&i| scores[i]).collect();
+            drafted_nodes = keep.iter().filter(|&&i| i < drafted_nodes).count();
+            branch = branch.iter().map(|&i| new_of[i]).take_while(|&i| i != usize::MAX).collect();
         }
+        stats.lookup_nodes += tree.len() - drafted_nodes;
         let t_fwd = Instant::now();
         let hidden = model.forward(&tokens, &tree.positions(committed), &tree.mask(), &mut cache)?;
         let all_logits = model.logits(&hidden)?;
@@ -172,6 +231,20 @@ pub fn generate_spec(
         }
         stats.accept_hist[m] += 1;
         stats.lookup_accepted += verdict.accepted.iter().filter(|&&a| a >= drafted_nodes).count();
+        if costs.is_some() {
+            let hits = verdict.accepted.iter().filter(|&&a| a != 0 && a < drafted_nodes).count();
+            // The copied branch's outcome at each position its parent reached.
+            let mut parent = 0;
+            let mut outcome = Vec::new();
+            for &i in &branch {
+                if !verdict.accepted.contains(&parent) {
+                    break;
+                }
+                outcome.push(verdict.accepted.contains(&i));
+                parent = i;
+            }
+            calib.record(&kept_scores, hits, &outcome);
+        }
         if let TreeChoice::Static(_) = &opts.tree {
             for (i, n) in tree.nodes().iter().enumerate().take(drafted_nodes).skip(1) {
                 if verdict.accepted.contains(&n.parent.unwrap()) {

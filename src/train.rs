@@ -62,6 +62,10 @@ pub struct TrainConfig {
     /// Draft layer: weight of the feature regression (smooth L1) next to the token loss.
     #[serde(default)]
     pub feature_weight: f64,
+    /// Start from this trained drafter (same kind and shape; its draft vocabulary is kept)
+    /// instead of fresh weights: fine-tuning on new data, or more epochs with a new schedule.
+    #[serde(default)]
+    pub init: Option<std::path::PathBuf>,
 }
 
 fn one() -> usize {
@@ -92,6 +96,7 @@ impl Default for TrainConfig {
             draft_layer: false,
             unroll: 1,
             feature_weight: 0.0,
+            init: None,
         }
     }
 }
@@ -587,6 +592,23 @@ pub(crate) fn epoch_batches<'a>(train_set: &'a [Example], cfg: &'a TrainConfig) 
     (per_epoch, move |epoch: usize| -> Vec<Vec<usize>> { fit_batches(raw_batches(epoch), per_epoch) })
 }
 
+/// Overwrite every variable of `varmap` with the same-named tensor of `from` (a warm start from
+/// the drafter in `source`). A missing tensor or another shape means another kind of drafter.
+pub(crate) fn warm_start(varmap: &VarMap, from: &HashMap<String, Tensor>, source: &Path) -> Result<()> {
+    let data = varmap.data().lock().unwrap();
+    if let Some(extra) = from.keys().filter(|k| *k != "draft_vocab").find(|k| !data.contains_key(*k)) {
+        return Err(Error::bad_file(source, format!("--init: {extra} has no place here; the drafter there has another shape or kind")));
+    }
+    for (name, var) in data.iter() {
+        let t = from.get(name).ok_or_else(|| Error::bad_file(source, format!("--init: no tensor {name}; the drafter there has another shape or kind")))?;
+        if t.dims() != var.dims() {
+            return Err(Error::bad_file(source, format!("--init: {name} is {:?} there, {:?} here", t.dims(), var.dims())));
+        }
+        var.set(&t.to_dtype(candle_core::DType::F32)?.to_device(var.device())?)?;
+    }
+    Ok(())
+}
+
 /// Restore optimizer state and losses from `out`'s checkpoint when resuming and one exists.
 pub(crate) fn resume_from(out: &Path, cfg: &TrainConfig, opt: &mut AdamW, device: &candle_core::Device, total_steps: usize, log: &mut dyn FnMut(String)) -> Result<Vec<f64>> {
     if !out.join(CKPT_META).exists() {
@@ -645,9 +667,22 @@ pub fn train(
         recipe: serde_json::Value::Null,
     };
     let mut heads = Heads::init(&varmap, &hcfg, &lm, &device)?;
+    let init = match &cfg.init {
+        Some(dir) => {
+            let from = Heads::from_dir(dir, target)?;
+            warm_start(&varmap, &from.tensors(), dir)?;
+            log(format!("starting from the heads in {}", dir.display()));
+            Some(from)
+        }
+        None => None,
+    };
     let mut slot_of: HashMap<u32, u32> = HashMap::new();
-    if cfg.draft_vocab > 0 && cfg.draft_vocab < mcfg.vocab_size {
-        let ids = frequent_tokens(train_set.iter().map(|c| c.tokens()), cfg.draft_vocab, &target.tokenizer.eos_ids);
+    let init_vocab = init.as_ref().and_then(|h| h.draft_vocab().map(|v| v.to_vec()));
+    if init_vocab.is_some() || (init.is_none() && cfg.draft_vocab > 0 && cfg.draft_vocab < mcfg.vocab_size) {
+        let ids = match init_vocab {
+            Some(v) => v,
+            None => frequent_tokens(train_set.iter().map(|c| c.tokens()), cfg.draft_vocab, &target.tokenizer.eos_ids),
+        };
         slot_of = ids.iter().enumerate().map(|(i, &t)| (t, i as u32)).collect();
         log(format!("draft vocabulary: the {} most frequent corpus tokens", ids.len()));
         heads.set_draft_vocab(ids, &lm)?;
@@ -657,49 +692,94 @@ pub fn train(
     let mut opt = AdamW::new(&varmap, cfg.weight_decay)?;
     let mut losses = if resume { resume_from(out, cfg, &mut opt, &device, total_steps, log)? } else { Vec::new() };
 
-    let t_train = Instant::now();
-    let start_step = opt.step;
-    let mut tokens_seen = 0usize;
-    let mut running: Vec<f64> = vec![0.0; k_heads];
-    let mut step = opt.step;
-    while step < total_steps {
-        if cfg.max_steps > 0 && step >= cfg.max_steps {
-            break;
-        }
-        let epoch = step / per_epoch;
-        let batches = batches_for_epoch(epoch);
-        let ids = &batches[step % per_epoch];
-        let embed = |t: &[u32]| target.model.embed(t);
-        let b = make_batch(&train_set, ids, k_heads, cfg.loss, &slot, if cfg.token_aware { Some(&embed) } else { None })?;
-        let (loss, acc) = batch_loss(&heads, &lm, &b, cfg.decay)?;
-        let grads = loss.backward()?;
-        let lr = learning_rate(step, total_steps, cfg.warmup_steps, cfg.lr);
-        opt.step(&grads, lr, cfg.grad_clip)?;
-        step = opt.step;
-        let lv = loss.to_scalar::<f32>()? as f64;
-        losses.push(lv);
-        tokens_seen += ids.iter().map(|&i| train_set[i].tokens().len()).sum::<usize>();
-        for (k, (h, n)) in acc.iter().enumerate() {
-            let a = *h as f64 / (*n).max(1) as f64;
-            running[k] = if step == start_step + 1 { a } else { 0.9 * running[k] + 0.1 * a };
-        }
-        progress(step, total_steps, lv, &running, tokens_seen as f64 / t_train.elapsed().as_secs_f64());
-        if step % cfg.checkpoint_every == 0 || step == total_steps {
-            save_checkpoint(out, &opt, &losses, cfg)?;
-        }
-        if step % per_epoch == 0 && !val_set.is_empty() {
-            let v = validate(&heads, target, &val_set)?;
-            log(format!("epoch {}: validation top-1 {:?} top-5 {:?}", step / per_epoch, fmt(&v.top1), fmt(&v.top5)));
-        }
-    }
-    let train_secs = t_train.elapsed().as_secs_f64();
+    let embed = |t: &[u32]| target.model.embed(t);
+    let done = run_steps(
+        StepsSetup { cfg, out, train_set: &train_set, per_epoch, total_steps, batches_for_epoch: &batches_for_epoch, val_levels: "" },
+        &mut opt,
+        &mut losses,
+        progress,
+        log,
+        &mut |ids| {
+            let b = make_batch(&train_set, ids, k_heads, cfg.loss, &slot, if cfg.token_aware { Some(&embed) } else { None })?;
+            batch_loss(&heads, &lm, &b, cfg.decay)
+        },
+        &mut || if val_set.is_empty() { Ok(None) } else { validate(&heads, target, &val_set).map(Some) },
+    )?;
     let val = if val_set.is_empty() { HeadAccuracy::default() } else { validate(&heads, target, &val_set)? };
-    let report = TrainReport::new((train_tokens, val_tokens, hidden_secs), step, &losses, val, train_secs, tokens_seen);
+    let report = TrainReport::new((train_tokens, val_tokens, hidden_secs), done.step, &losses, val, done.secs, done.tokens_seen);
     // Trained: now build the inference copies for drafting (they would go stale if built
     // while the weights were still changing).
     let mut heads = heads;
     heads.set_draft_format(target.model.weight_format())?;
     Ok((heads, report))
+}
+
+/// What [`run_steps`] needs to know about a run besides the drafter.
+pub(crate) struct StepsSetup<'a> {
+    pub cfg: &'a TrainConfig,
+    pub out: &'a Path,
+    pub train_set: &'a [Example],
+    pub per_epoch: usize,
+    pub total_steps: usize,
+    pub batches_for_epoch: &'a dyn Fn(usize) -> Vec<Vec<usize>>,
+    /// Appended to each epoch's validation line (what the accuracies are per).
+    pub val_levels: &'a str,
+}
+
+/// Where [`run_steps`] stopped.
+pub(crate) struct StepsDone {
+    pub step: usize,
+    pub tokens_seen: usize,
+    pub secs: f64,
+}
+
+/// The optimisation loop the heads and the draft layer share: from the optimizer's step counter
+/// (0, or where a resumed checkpoint stopped) through the batches in epoch order, with the
+/// cosine schedule, running accuracy and progress, atomic checkpoints, and a validation line at
+/// each epoch's end. `batch_loss` returns a batch's loss and per-output (hits, rows);
+/// `validate` the held-out accuracy, if there is held-out data.
+#[allow(clippy::type_complexity)]
+pub(crate) fn run_steps(
+    setup: StepsSetup,
+    opt: &mut AdamW,
+    losses: &mut Vec<f64>,
+    progress: Progress,
+    log: &mut dyn FnMut(String),
+    batch_loss: &mut dyn FnMut(&[usize]) -> Result<(Tensor, Vec<(usize, usize)>)>,
+    validate: &mut dyn FnMut() -> Result<Option<HeadAccuracy>>,
+) -> Result<StepsDone> {
+    let StepsSetup { cfg, out, train_set, per_epoch, total_steps, batches_for_epoch, val_levels } = setup;
+    let t_train = Instant::now();
+    let start_step = opt.step;
+    let mut tokens_seen = 0usize;
+    let mut running: Vec<f64> = Vec::new();
+    let mut step = opt.step;
+    while step < total_steps && !(cfg.max_steps > 0 && step >= cfg.max_steps) {
+        let batches = batches_for_epoch(step / per_epoch);
+        let ids = &batches[step % per_epoch];
+        let (loss, acc) = batch_loss(ids)?;
+        let grads = loss.backward()?;
+        opt.step(&grads, learning_rate(step, total_steps, cfg.warmup_steps, cfg.lr), cfg.grad_clip)?;
+        step = opt.step;
+        let lv = loss.to_scalar::<f32>()? as f64;
+        losses.push(lv);
+        tokens_seen += ids.iter().map(|&i| train_set[i].tokens().len()).sum::<usize>();
+        running.resize(acc.len(), 0.0);
+        for (k, (h, n)) in acc.iter().enumerate() {
+            let a = *h as f64 / (*n).max(1) as f64;
+            running[k] = if step == start_step + 1 { a } else { 0.9 * running[k] + 0.1 * a };
+        }
+        progress(step, total_steps, lv, &running, tokens_seen as f64 / t_train.elapsed().as_secs_f64());
+        if step.is_multiple_of(cfg.checkpoint_every) || step == total_steps {
+            save_checkpoint(out, opt, losses, cfg)?;
+        }
+        if step.is_multiple_of(per_epoch) {
+            if let Some(v) = validate()? {
+                log(format!("epoch {}: validation top-1 {:?} top-5 {:?}{val_levels}", step / per_epoch, fmt(&v.top1), fmt(&v.top5)));
+            }
+        }
+    }
+    Ok(StepsDone { step, tokens_seen, secs: t_train.elapsed().as_secs_f64() })
 }
 
 /// The `n` most frequent tokens of the corpus (ties: lower id), plus the end-of-sequence ids,

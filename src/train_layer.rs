@@ -6,7 +6,6 @@
 //! there (softmax of lm_head over the real feature f_{t+s+1}), plus optionally a smooth-L1
 //! regression of the predicted feature onto f_{t+s+1}, weighted `decay^s`.
 use std::path::Path;
-use std::time::Instant;
 
 use candle_core::{Tensor, D};
 use candle_nn::VarMap;
@@ -14,11 +13,12 @@ use candle_nn::VarMap;
 use crate::draft_layer::{DraftLayer, DraftLayerConfig, TrainLayer};
 use crate::loader::Target;
 use crate::data::Document;
-use crate::train::{epoch_batches, Example, fmt, frequent_tokens, learning_rate, prepare, resume_from, save_checkpoint, AdamW, HeadAccuracy, Prepared, Progress, TrainConfig, TrainReport};
+use crate::train::{epoch_batches, frequent_tokens, prepare, resume_from, run_steps, AdamW, Example, HeadAccuracy, Prepared, Progress, StepsSetup, TrainConfig, TrainReport};
 use crate::{Error, Result};
 
 /// Levels the validation reports (guesses 1..=VAL_LEVELS tokens past the root).
 pub const VAL_LEVELS: usize = 4;
+const LEVELS_NOTE: &str = " (levels 1..4)";
 
 /// Inputs of one chunk for `steps` steps: the real features and, per step, the embeddings of
 /// the tokens each row's pair carries (past the chunk's end: token 0, masked out of the loss).
@@ -149,59 +149,47 @@ pub fn train_layer(
     let total_steps = per_epoch * cfg.epochs;
     let device = target.model.device().clone();
     let vocab = target.model.config().vocab_size;
-    let ids = frequent_tokens(train_set.iter().map(|c| c.tokens()), cfg.draft_vocab.min(vocab), &target.tokenizer.eos_ids);
+    let init = cfg.init.as_deref().map(|dir| DraftLayer::from_dir(dir, target)).transpose()?;
+    let ids = match &init {
+        Some(l) => l.draft_vocab().to_vec(),
+        None => frequent_tokens(train_set.iter().map(|c| c.tokens()), cfg.draft_vocab.min(vocab), &target.tokenizer.eos_ids),
+    };
     log(format!("draft vocabulary: the {} most frequent corpus tokens", ids.len()));
     let lcfg = DraftLayerConfig::for_target(target, ids.len())?;
     let varmap = VarMap::new();
     let layer = TrainLayer::init(&varmap, lcfg.clone(), &ids, &target.model, cfg.seed)?;
+    if let (Some(l), Some(dir)) = (&init, &cfg.init) {
+        crate::train::warm_start(&varmap, l.weights(), dir)?;
+        log(format!("starting from the draft layer in {}", dir.display()));
+    }
     let mut opt = AdamW::new(&varmap, cfg.weight_decay)?;
     let mut losses = if resume { resume_from(out, cfg, &mut opt, &device, total_steps, log)? } else { Vec::new() };
 
-    let t_train = Instant::now();
-    let start_step = opt.step;
-    let mut tokens_seen = 0usize;
-    let mut running = vec![0.0];
-    let mut step = opt.step;
-    while step < total_steps {
-        if cfg.max_steps > 0 && step >= cfg.max_steps {
-            break;
-        }
-        let epoch = step / per_epoch;
-        let batches = batches_for_epoch(epoch);
-        let batch = &batches[step % per_epoch];
-        let mut loss: Option<Tensor> = None;
-        let (mut hits, mut rows) = (0, 0);
-        for &i in batch {
-            let (l, (a, b)) = chunk_loss(&layer, target, &train_set[i], cfg)?;
-            hits += a;
-            rows += b;
-            loss = Some(match loss {
-                None => l,
-                Some(x) => (x + l)?,
-            });
-        }
-        let loss = (loss.ok_or_else(|| Error::InvalidArgument("an empty batch".into()))? / batch.len() as f64)?;
-        let grads = loss.backward()?;
-        let lr = learning_rate(step, total_steps, cfg.warmup_steps, cfg.lr);
-        opt.step(&grads, lr, cfg.grad_clip)?;
-        step = opt.step;
-        let lv = loss.to_scalar::<f32>()? as f64;
-        losses.push(lv);
-        tokens_seen += batch.iter().map(|&i| train_set[i].tokens().len()).sum::<usize>();
-        let a = hits as f64 / rows.max(1) as f64;
-        running[0] = if step == start_step + 1 { a } else { 0.9 * running[0] + 0.1 * a };
-        progress(step, total_steps, lv, &running, tokens_seen as f64 / t_train.elapsed().as_secs_f64());
-        if step % cfg.checkpoint_every == 0 || step == total_steps {
-            save_checkpoint(out, &opt, &losses, cfg)?;
-        }
-        if step % per_epoch == 0 && !val_set.is_empty() {
-            let v = validate_layer(&layer, &ids, target, &val_set)?;
-            log(format!("epoch {}: validation top-1 {:?} top-5 {:?} (levels 1..{VAL_LEVELS})", step / per_epoch, fmt(&v.top1), fmt(&v.top5)));
-        }
-    }
-    let train_secs = t_train.elapsed().as_secs_f64();
+    let done = run_steps(
+        StepsSetup { cfg, out, train_set: &train_set, per_epoch, total_steps, batches_for_epoch: &batches_for_epoch, val_levels: LEVELS_NOTE },
+        &mut opt,
+        &mut losses,
+        progress,
+        log,
+        &mut |batch| {
+            let mut loss: Option<Tensor> = None;
+            let (mut hits, mut rows) = (0, 0);
+            for &i in batch {
+                let (l, (a, b)) = chunk_loss(&layer, target, &train_set[i], cfg)?;
+                hits += a;
+                rows += b;
+                loss = Some(match loss {
+                    None => l,
+                    Some(x) => (x + l)?,
+                });
+            }
+            let loss = (loss.ok_or_else(|| Error::InvalidArgument("an empty batch".into()))? / batch.len() as f64)?;
+            Ok((loss, vec![(hits, rows)]))
+        },
+        &mut || if val_set.is_empty() { Ok(None) } else { validate_layer(&layer, &ids, target, &val_set).map(Some) },
+    )?;
     let val = if val_set.is_empty() { HeadAccuracy::default() } else { validate_layer(&layer, &ids, target, &val_set)? };
-    let report = TrainReport::new((train_tokens, val_tokens, hidden_secs), step, &losses, val, train_secs, tokens_seen);
+    let report = TrainReport::new((train_tokens, val_tokens, hidden_secs), done.step, &losses, val, done.secs, done.tokens_seen);
     let mut trained = DraftLayer::from_tensors(layer.tensors()?, ids, lcfg, &target.model)?;
     trained.set_format(target.model.weight_format())?;
     Ok((trained, report))

@@ -186,6 +186,25 @@ impl Tree {
         id
     }
 
+    /// The tree of the nodes `keep` (ascending, root included, every node's parent kept too),
+    /// siblings in their old order; node `keep[j]` becomes node `j`.
+    pub fn restrict(&self, keep: &[usize]) -> Result<Tree> {
+        if keep.first() != Some(&0) || keep.windows(2).any(|w| w[0] >= w[1]) || keep.last().is_some_and(|&l| l >= self.len()) {
+            return Err(Error::InvalidTree(format!("nodes to keep must ascend from the root within {} nodes: {keep:?}", self.len())));
+        }
+        let mut new_of = vec![usize::MAX; self.len()];
+        new_of[0] = 0;
+        let mut t = Tree::from_paths(&[])?;
+        for &i in &keep[1..] {
+            let p = self.nodes[i].parent.expect("non-root");
+            if new_of[p] == usize::MAX {
+                return Err(Error::InvalidTree(format!("node {i} is kept without its parent {p}")));
+            }
+            new_of[i] = t.add_child(new_of[p]);
+        }
+        Ok(t)
+    }
+
     /// Node indices from the root to `i`.
     pub fn path_to(&self, mut i: usize) -> Vec<usize> {
         let mut p = vec![i];
@@ -205,6 +224,21 @@ impl Tree {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn restrict_keeps_a_prefix_closed_subset() {
+        // 0 -> {1, 2}, 1 -> {3, 4}, 3 -> {5}
+        let t = Tree::from_json("[[0],[1],[0,0],[0,1],[0,0,0]]").unwrap();
+        let r = t.restrict(&[0, 2, 1, 3]).expect_err("unsorted");
+        assert!(r.to_string().contains("ascend"));
+        assert!(t.restrict(&[0, 1, 5]).is_err(), "5 without its parent 3");
+        assert!(t.restrict(&[0, 9]).is_err());
+        let s = t.restrict(&[0, 1, 2, 4]).unwrap();
+        assert_eq!(s.len(), 4);
+        assert_eq!(s.node(0).children, vec![1, 2], "siblings keep their order");
+        assert_eq!(s.node(3).parent, Some(1));
+        assert_eq!(s.positions(0), vec![0, 1, 1, 2]);
+    }
 
     #[test]
     fn builds_prefix_closed_breadth_first() {

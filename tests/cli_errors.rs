@@ -157,6 +157,7 @@ fn draft_layer_through_the_cli() {
     assert_eq!(code, 0, "{err}");
     assert!(out_s.contains("+lookup:3") && out_s.contains("copied"), "{out_s}");
     expect_error(&["eval", "--model", m, "--heads", os, "--prompts", prompts.to_str().unwrap(), "--tree", "chain:2+ngram"], &["+ngram", "lookup"]);
+    expect_error(&["eval", "--model", m, "--heads", os, "--prompts", prompts.to_str().unwrap(), "--tree", "auto:1"], &["auto:1", "2 to 64"]);
     expect_error(&["export-heads", "--model", m, "--heads", os, "--out", dir.join("medusa").to_str().unwrap()], &["draft layer", "Medusa"]);
     // 8-bit storage loads back and drafts.
     let q8 = dir.join("layer-q8");

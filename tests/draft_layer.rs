@@ -185,6 +185,21 @@ fn layer_training_learns_resumes_and_round_trips() {
     std::fs::write(dir.join("draft.safetensors"), b"not safetensors").unwrap();
     let e = DraftLayer::from_dir(&dir, &t).err().unwrap().to_string();
     assert!(e.contains("draft.safetensors"), "{e}");
+    // A run can start from a trained layer (here the uninterrupted one): one step at a vanishing
+    // learning rate keeps its weights and draft vocabulary.
+    let init = scratch("layer-train-init");
+    full.save_as(&init, StoreFormat::F32).unwrap();
+    let cont = TrainConfig { init: Some(init.clone()), max_steps: 1, lr: 1e-12, warmup_steps: 1, ..quick_cfg() };
+    let (warm, _) = run(&t, &cont, &scratch("layer-train-warm"), false);
+    assert_eq!(warm.draft_vocab(), full.draft_vocab());
+    let (wf, ww) = (saved(&full, &scratch("layer-w-f2")), saved(&warm, &scratch("layer-w-warm")));
+    assert!(wf.iter().zip(&ww).all(|(a, b)| a.0 == b.0 && a.1.iter().zip(&b.1).all(|(x, y)| (x - y).abs() <= 1e-6)), "warm start did not load the layer");
+    // A directory without a layer is refused by name.
+    let e = train_layer(&t, &corpus(), &TrainConfig { init: Some(scratch("layer-train-empty")), ..cont }, &scratch("layer-train-x"), false, None, &mut |_, _, _, _, _| {}, &mut |_| {})
+        .err()
+        .expect("no layer there")
+        .to_string();
+    assert!(e.contains("layer-train-empty"), "{e}");
     // Bad settings are refused before any work.
     assert!(TrainConfig { unroll: 0, ..quick_cfg() }.validate().is_err());
     assert!(TrainConfig { draft_vocab: 0, ..quick_cfg() }.validate().is_err());

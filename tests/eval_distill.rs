@@ -29,6 +29,8 @@ fn eval_reports_tau_identity_and_files() {
             ("chain".into(), Plan { tree: TreeChoice::Static(Tree::chain(2)), lookup: None }),
             ("dyn".into(), Plan { tree: TreeChoice::Dynamic(5), lookup: None }),
             ("chain:2+lookup:3".into(), Plan::parse("chain:2+lookup:3").unwrap()),
+            // Cut per step by this machine's measured forward costs.
+            ("auto:6+lookup:3".into(), Plan::parse("auto:6+lookup:3").unwrap()),
         ],
         params: SamplingParams::greedy(),
         max_tokens: 12,

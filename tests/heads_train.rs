@@ -167,6 +167,31 @@ fn draft_vocabulary_restricts_drafts() {
 }
 
 #[test]
+fn training_can_start_from_trained_heads() {
+    let (_, t) = tiny_gguf("heads-init", 25);
+    let cfg = TrainConfig { epochs: 1, draft_vocab: 20, loss: LossKind::Soft, ..quick_cfg() };
+    let (a, _) = run(&t, &cfg, &scratch("heads-init-a"), false);
+    let dir = scratch("heads-init-a-out");
+    a.save(&dir).unwrap();
+    // One step at a vanishing learning rate from those heads: the same weights and vocabulary
+    // (a fresh start would differ; the corpus's own vocabulary is not recomputed).
+    let cont = TrainConfig { init: Some(dir.clone()), max_steps: 1, lr: 1e-12, warmup_steps: 1, draft_vocab: 10, ..cfg.clone() };
+    let (b, _) = run(&t, &cont, &scratch("heads-init-b"), false);
+    assert_eq!(b.draft_vocab(), a.draft_vocab());
+    let (wa, wb) = (weights(&a, &scratch("heads-init-wa")), weights(&b, &scratch("heads-init-wb")));
+    let close = |x: &[(String, Vec<f32>)], y: &[(String, Vec<f32>)]| {
+        x.len() == y.len() && x.iter().zip(y).all(|(p, q)| p.0 == q.0 && p.1.iter().zip(&q.1).all(|(u, v)| (u - v).abs() <= 1e-6))
+    };
+    assert!(close(&wa, &wb), "warm start did not load the heads");
+    let (fresh, _) = run(&t, &TrainConfig { init: None, ..cont.clone() }, &scratch("heads-init-c"), false);
+    assert!(!close(&wa, &weights(&fresh, &scratch("heads-init-wc"))), "the check cannot tell a fresh start");
+    // Heads of another shape are refused, naming their directory.
+    let other = TrainConfig { num_heads: 2, ..cont };
+    let e = train(&t, &corpus(), &other, &scratch("heads-init-d"), false, None, &mut |_, _, _, _, _| {}, &mut |_| {}).err().expect("shape mismatch").to_string();
+    assert!(e.contains("heads-init-a-out") && e.contains("--init"), "{e}");
+}
+
+#[test]
 fn corpus_errors_are_clear() {
     let (p, _) = tiny_gguf("train-cli", 25);
     let dir = scratch("train-cli-data");

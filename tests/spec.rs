@@ -5,10 +5,12 @@ mod common;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use common::*;
+use selfspec::budget::{Budget, CostCurve};
 use selfspec::generate::{generate_plain, StopRule};
 use selfspec::heads::{Heads, HeadsConfig};
 use selfspec::lookup::Lookup;
@@ -112,14 +114,30 @@ fn erfc(x: f64) -> f64 {
     if x >= 0.0 { r } else { 2.0 - r }
 }
 
-fn sample_runs(model: &Llama, heads: &Drafter, prompt: &[u32], params: &SamplingParams, rule: Rule, lookup: Option<Lookup>, n: usize) -> Vec<usize> {
-    let tree = Tree::from_paths(&[vec![0], vec![1], vec![2], vec![0, 0], vec![0, 1], vec![1, 0]]).unwrap();
-    let opts = SpecOptions { tree: TreeChoice::Static(tree), lookup, rule, params: params.clone(), stop: StopRule { max_new_tokens: 3, eos_ids: &[] } };
+fn test_tree() -> TreeChoice {
+    TreeChoice::Static(Tree::from_paths(&[vec![0], vec![1], vec![2], vec![0, 0], vec![0, 1], vec![1, 0]]).unwrap())
+}
+
+/// An `auto` tree with a made-up cost curve (each extra node 8% dearer), so the cut varies from
+/// step to step with the drafts' probabilities but does not depend on this machine's timing.
+fn auto_tree(max_nodes: usize) -> TreeChoice {
+    let costs = CostCurve::from_points(&[(1, 10.0), (2, 10.8), (64, 60.0)], 64).unwrap();
+    TreeChoice::Auto(Budget { max_nodes, costs: Some(Arc::new(costs)) })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn sample_runs(model: &Llama, heads: &Drafter, prompt: &[u32], params: &SamplingParams, rule: Rule, tree: TreeChoice, lookup: Option<Lookup>, n: usize) -> Vec<usize> {
+    let opts = SpecOptions { tree, lookup, rule, params: params.clone(), stop: StopRule { max_new_tokens: 3, eos_ids: &[] } };
     let mut counts = vec![0usize; 16 * 16 * 16];
-    for seed in 0..n as u64 {
-        let (out, _) = generate_spec(model, heads, prompt, &opts, &mut rng(seed), &mut |_| Ok(())).unwrap();
-        counts[(out[0] as usize * 16 + out[1] as usize) * 16 + out[2] as usize] += 1;
-    }
+    // One thread: this model is tiny, and waking workers for each of its ops costs more than the
+    // ops (the results are the same bits either way).
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+    pool.install(|| {
+        for seed in 0..n as u64 {
+            let (out, _) = generate_spec(model, heads, prompt, &opts, &mut rng(seed), &mut |_| Ok(())).unwrap();
+            counts[(out[0] as usize * 16 + out[1] as usize) * 16 + out[2] as usize] += 1;
+        }
+    });
     counts
 }
 
@@ -134,16 +152,20 @@ fn speculative_sampling_matches_the_target_distribution() {
     ] {
         let exact = exact_joint(&model, &prompt, &params);
         assert!((exact.iter().sum::<f64>() - 1.0).abs() < 1e-9);
-        let counts = sample_runs(&model, &heads, &prompt, &params, Rule::Sample, None, n);
+        let counts = sample_runs(&model, &heads, &prompt, &params, Rule::Sample, test_tree(), None, n);
         let p = chi_square_p(&counts, &exact, n);
         assert!(p >= 0.001, "exact rule rejected: p = {p} for {params:?}");
         // With a branch copied from the context grafted on (the prompt's last token 3 also opens
         // it, so the copy 7 1 3 is always proposed): still the target's distribution.
         let lookup = Lookup { max_tokens: 3, min_match: 1, max_match: 2 };
-        let counts = sample_runs(&model, &heads, &prompt, &params, Rule::Sample, Some(lookup), n);
+        let counts = sample_runs(&model, &heads, &prompt, &params, Rule::Sample, test_tree(), Some(lookup), n);
         let p = chi_square_p(&counts, &exact, n);
         assert!(p >= 0.001, "exact rule with lookup rejected: p = {p} for {params:?}");
-        let broken = sample_runs(&model, &heads, &prompt, &params, Rule::BrokenResampleFromTarget, None, n);
+        // A tree cut per step by cost (and by the run's calibration so far): still exact.
+        let counts = sample_runs(&model, &heads, &prompt, &params, Rule::Sample, auto_tree(6), Some(lookup), n);
+        let p = chi_square_p(&counts, &exact, n);
+        assert!(p >= 0.001, "exact rule with an auto tree rejected: p = {p} for {params:?}");
+        let broken = sample_runs(&model, &heads, &prompt, &params, Rule::BrokenResampleFromTarget, test_tree(), None, n);
         let pb = chi_square_p(&broken, &exact, n);
         assert!(pb < 0.001, "the test failed to catch a broken rule: p = {pb} for {params:?}");
     }
@@ -202,6 +224,7 @@ fn greedy_speculation_with_the_committed_draft_layer_is_exact() {
         (TreeChoice::Dynamic(10), None),
         (TreeChoice::Static(Tree::chain(2)), lookup),
         (TreeChoice::Dynamic(6), lookup),
+        (auto_tree(12), lookup),
     ];
     let (mut forwards, mut tokens, mut copied) = (0usize, 0usize, 0usize);
     for item in prompts.iter().skip(4).take(6) {

@@ -1,0 +1,219 @@
+//! Cost-aware trees (`--tree auto[:N]`): per step, keep the draft nodes that maximise expected
+//! tokens per millisecond on this device.
+//!
+//! A node is worth verifying when the tokens it is expected to add outweigh what it adds to the
+//! forward's cost. Both halves are measured: the forward's cost for T nodes comes from timing
+//! this model on this machine ([`CostCurve::measure`], as `bench` does), and each node's chance
+//! of acceptance is the drafter's path probability, corrected during the run by how often such
+//! nodes were actually accepted ([`Calibration`]). So a confident step verifies a deep chain, an
+//! unsure one verifies little more than the root, and a device whose cost curve is flat (a GPU)
+//! gets big trees while this 2-core CPU, where each extra row costs, gets small ones. The choice
+//! depends only on the drafts and the emitted text, never on the target's verdict for this step,
+//! so both acceptance rules stay exact.
+use std::sync::Arc;
+
+use crate::model::Llama;
+use crate::tree::Tree;
+use crate::Result;
+
+/// Median forward time in ms (with logits for every row) for T = 1..=len new tokens.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CostCurve {
+    ms: Vec<f64>,
+}
+
+impl CostCurve {
+    /// From measured points `(tokens, ms)`, interpolated linearly in between (and held flat per
+    /// token past the last point). Costs never fall as T grows.
+    pub fn from_points(points: &[(usize, f64)], max_tokens: usize) -> Result<Self> {
+        let mut pts: Vec<(usize, f64)> = points.iter().copied().filter(|p| p.0 >= 1 && p.1.is_finite() && p.1 > 0.0).collect();
+        pts.sort_by_key(|p| p.0);
+        if pts.first().map(|p| p.0) != Some(1) {
+            return Err(crate::Error::InvalidArgument("a cost curve needs a positive time for T = 1".into()));
+        }
+        let mut ms = Vec::with_capacity(max_tokens);
+        for t in 1..=max_tokens.max(1) {
+            let v = match pts.iter().position(|p| p.0 >= t) {
+                Some(j) if pts[j].0 == t => pts[j].1,
+                Some(j) => {
+                    let (a, b) = (pts[j - 1], pts[j]);
+                    a.1 + (b.1 - a.1) * (t - a.0) as f64 / (b.0 - a.0) as f64
+                }
+                None => {
+                    let last = *pts.last().unwrap();
+                    last.1 * t as f64 / last.0 as f64
+                }
+            };
+            ms.push(v);
+        }
+        for i in 1..ms.len() {
+            ms[i] = ms[i].max(ms[i - 1]);
+        }
+        Ok(CostCurve { ms })
+    }
+
+    /// Time this model's forward for the token counts a tree of up to `max_tokens` nodes uses.
+    pub fn measure(model: &Llama, max_tokens: usize) -> Result<Self> {
+        let counts: Vec<usize> = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64].into_iter().filter(|&t| t <= max_tokens.max(1)).collect();
+        let rows = crate::bench::bench_forward(model, 128, &counts, 5)?;
+        Self::from_points(&rows.iter().map(|r| (r.tokens, r.median_ms)).collect::<Vec<_>>(), max_tokens)
+    }
+
+    /// Cost of a forward over `t` tokens (t >= 1).
+    pub fn at(&self, t: usize) -> f64 {
+        let i = t.clamp(1, self.ms.len()) - 1;
+        self.ms[i] * (t.max(1) as f64 / (i + 1) as f64).max(1.0)
+    }
+
+    pub fn max_tokens(&self) -> usize {
+        self.ms.len()
+    }
+
+    /// The relative price of the first node past the root, `(cost(2) - cost(1)) / cost(1)`. Most
+    /// steps verify few nodes, so a node expected to add fewer tokens than this is not worth
+    /// growing: drafting below it costs time that the cut would then throw away.
+    pub fn first_step(&self) -> f64 {
+        ((self.at(2) - self.at(1)) / self.at(1)).max(0.0)
+    }
+}
+
+/// `auto[:N]`: grow up to `max_nodes` nodes as `dynamic:N` does, then cut per step by cost.
+#[derive(Debug, Clone)]
+pub struct Budget {
+    pub max_nodes: usize,
+    /// Measured on first use when absent; `eval` measures once and shares it.
+    pub costs: Option<Arc<CostCurve>>,
+}
+
+/// Running correction of the drafter's probabilities: accepted nodes / predicted acceptances,
+/// with a prior of a few nodes at face value so early steps are not swung by one outcome. The
+/// lookup branch has no probabilities; its per-depth precision is counted the same way.
+#[derive(Debug, Clone)]
+pub struct Calibration {
+    predicted: f64,
+    accepted: f64,
+    /// Per position along the copied branch: (tries, hits) where its parent was accepted.
+    lookup: Vec<(f64, f64)>,
+}
+
+const PRIOR_NODES: f64 = 4.0;
+/// Prior precision of a copied token, from `examples/lookup.rs` on the target's own answers.
+const LOOKUP_PRIOR: f64 = 0.75;
+
+impl Default for Calibration {
+    fn default() -> Self {
+        Calibration { predicted: PRIOR_NODES, accepted: PRIOR_NODES, lookup: Vec::new() }
+    }
+}
+
+impl Calibration {
+    pub fn drafter_factor(&self) -> f64 {
+        (self.accepted / self.predicted).clamp(0.2, 5.0)
+    }
+
+    /// Chance that the copied token at position `j` (0-based) is accepted when its parent is.
+    pub fn lookup_precision(&self, j: usize) -> f64 {
+        let (tries, hits) = self.lookup.get(j).copied().unwrap_or((0.0, 0.0));
+        (hits + LOOKUP_PRIOR * PRIOR_NODES) / (tries + PRIOR_NODES)
+    }
+
+    /// Learn from one verified step: `scores` are the drafter's raw path probabilities of the
+    /// kept drafter nodes, `hits` how many of them were accepted; `lookup` the copied branch's
+    /// outcome per position (tried, accepted) where its parent was accepted.
+    pub fn record(&mut self, drafted: &[f64], hits: usize, lookup: &[bool]) {
+        self.predicted += drafted.iter().sum::<f64>();
+        self.accepted += hits as f64;
+        for (j, &ok) in lookup.iter().enumerate() {
+            if self.lookup.len() <= j {
+                self.lookup.resize(j + 1, (0.0, 0.0));
+            }
+            self.lookup[j].0 += 1.0;
+            self.lookup[j].1 += ok as u8 as f64;
+        }
+    }
+}
+
+/// Which nodes to verify: `estimates[i]` is node i's chance of acceptance (root: 1). Keeps the
+/// root and the k likeliest other nodes, for the k that maximises
+/// `(1 + sum of their estimates) / (cost(k + 1) + fixed_ms)`; `fixed_ms` is what the step costs
+/// anyway (drafting). Returns kept node indices in tree order (parents first), root included.
+pub fn choose_nodes(tree: &Tree, estimates: &[f64], costs: &CostCurve, fixed_ms: f64) -> Vec<usize> {
+    assert_eq!(estimates.len(), tree.len(), "one estimate per node");
+    // A child can never look likelier than its parent, which keeps every prefix of the ranking
+    // prefix-closed (ties go to the earlier node, and parents come first).
+    let mut e = estimates.to_vec();
+    e[0] = 1.0;
+    for i in 1..tree.len() {
+        let p = tree.node(i).parent.expect("non-root nodes have parents");
+        e[i] = e[i].clamp(0.0, 1.0).min(e[p]);
+    }
+    let mut order: Vec<usize> = (1..tree.len()).collect();
+    order.sort_by(|&a, &b| e[b].total_cmp(&e[a]).then(a.cmp(&b)));
+    let mut best = (1.0 / (costs.at(1) + fixed_ms), 0);
+    let mut gain = 1.0;
+    for (k, &i) in order.iter().enumerate() {
+        gain += e[i];
+        let v = gain / (costs.at(k + 2) + fixed_ms);
+        if v > best.0 {
+            best = (v, k + 1);
+        }
+    }
+    let mut kept: Vec<usize> = std::iter::once(0).chain(order[..best.1].iter().copied()).collect();
+    kept.sort_unstable();
+    kept
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn curve(ms: &[f64]) -> CostCurve {
+        CostCurve::from_points(&ms.iter().enumerate().map(|(i, &m)| (i + 1, m)).collect::<Vec<_>>(), ms.len()).unwrap()
+    }
+
+    #[test]
+    fn cost_curve_interpolates_and_rejects_a_missing_base() {
+        let c = CostCurve::from_points(&[(1, 10.0), (3, 14.0), (8, 24.0)], 10).unwrap();
+        assert_eq!(c.at(2), 12.0);
+        assert_eq!(c.at(8), 24.0);
+        assert_eq!(c.at(10), 30.0, "past the last point: the same cost per token");
+        assert_eq!(c.at(0), 10.0);
+        assert!((c.first_step() - 0.2).abs() < 1e-12, "(12 - 10) / 10: {}", c.first_step());
+        assert!(CostCurve::from_points(&[(2, 5.0)], 4).is_err());
+        // A noisy measurement that dips is flattened.
+        let n = CostCurve::from_points(&[(1, 10.0), (2, 9.0)], 2).unwrap();
+        assert_eq!(n.at(2), 10.0);
+    }
+
+    #[test]
+    fn cuts_by_expected_tokens_per_ms() {
+        // Root, a confident chain 1 -> 2, an unlikely sibling 3.
+        let tree = Tree::from_paths(&[vec![0], vec![0, 0], vec![1]]).unwrap();
+        let order: Vec<Vec<usize>> = tree.nodes().iter().map(|n| n.path.clone()).collect();
+        let est: Vec<f64> = order.iter().map(|p| match p.as_slice() { [] => 1.0, [0] => 0.9, [0, 0] => 0.8, _ => 0.05 }).collect();
+        let idx = |path: &[usize]| order.iter().position(|p| p == path).unwrap();
+        // Flat costs: everything is worth it.
+        assert_eq!(choose_nodes(&tree, &est, &curve(&[10.0, 10.0, 10.0, 10.0]), 0.0).len(), 4);
+        // Each node costs 30% more: the chain pays (2.7 / 16 > 1 / 10), the long shot does not.
+        let kept = choose_nodes(&tree, &est, &curve(&[10.0, 13.0, 16.0, 19.0]), 0.0);
+        assert_eq!(kept, { let mut k = vec![0, idx(&[0]), idx(&[0, 0])]; k.sort(); k });
+        // Very expensive rows: the root alone.
+        assert_eq!(choose_nodes(&tree, &est, &curve(&[10.0, 30.0, 50.0, 70.0]), 0.0), vec![0]);
+        // A child never outranks its parent, so the kept set is a tree.
+        let odd: Vec<f64> = order.iter().map(|p| match p.as_slice() { [] => 1.0, [0] => 0.1, [0, 0] => 0.9, _ => 0.5 }).collect();
+        let kept = choose_nodes(&tree, &odd, &curve(&[10.0, 10.5, 11.0, 30.0]), 0.0);
+        assert!(kept.iter().all(|&i| i == 0 || kept.contains(&tree.node(i).parent.unwrap())), "{kept:?}");
+    }
+
+    #[test]
+    fn calibration_learns_from_outcomes() {
+        let mut c = Calibration::default();
+        assert_eq!(c.drafter_factor(), 1.0);
+        for _ in 0..50 {
+            c.record(&[0.8, 0.6], 0, &[true, false]);
+        }
+        assert!(c.drafter_factor() < 0.3, "overconfident drafts are scaled down: {}", c.drafter_factor());
+        assert!(c.lookup_precision(0) > 0.9 && c.lookup_precision(1) < 0.1);
+        assert_eq!(c.lookup_precision(5), LOOKUP_PRIOR);
+    }
+}
