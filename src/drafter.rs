@@ -21,6 +21,13 @@ use crate::{Error, Result};
 /// more (small) forward.
 pub const LAYER_MAX_DEPTH: usize = 8;
 
+/// The CPU weight format drafters run in, whatever the target's. Drafts need not match the
+/// target's numerics (verification decides what is emitted), only be cheap: with an f32 target,
+/// an f32 draft layer re-read its 17 MB of weights and a 19 MB slice of lm_head at every level,
+/// 1–2 ms each, a large share of a 20 ms step. 8-bit blocks read a quarter of that and keep the
+/// drafts (the top guess is unchanged in tests).
+pub const DRAFTING_FORMAT: WeightFormat = WeightFormat::Q8_0;
+
 /// One drafter per run, so the variants' size difference costs nothing worth a box.
 #[allow(clippy::large_enum_variant)]
 pub enum Drafter {
@@ -29,13 +36,16 @@ pub enum Drafter {
 }
 
 impl Drafter {
-    /// A draft layer when `dir` holds `draft.json`, heads otherwise (selfspec or Medusa format).
+    /// A draft layer when `dir` holds `draft.json`, heads otherwise (selfspec or Medusa format),
+    /// set up to draft in [`DRAFTING_FORMAT`].
     pub fn from_dir(dir: &Path, target: &Target) -> Result<Self> {
-        if dir.join(LAYER_CONFIG_FILE).exists() {
-            Ok(Drafter::Layer(DraftLayer::from_dir(dir, target)?))
+        let mut d = if dir.join(LAYER_CONFIG_FILE).exists() {
+            Drafter::Layer(DraftLayer::from_dir(dir, target)?)
         } else {
-            Ok(Drafter::Heads(Heads::from_dir(dir, target)?))
-        }
+            Drafter::Heads(Heads::from_dir(dir, target)?)
+        };
+        d.set_format(DRAFTING_FORMAT)?;
+        Ok(d)
     }
 
     /// How many levels below the root it can fill.

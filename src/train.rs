@@ -684,7 +684,7 @@ pub fn train(
             None => frequent_tokens(train_set.iter().map(|c| c.tokens()), cfg.draft_vocab, &target.tokenizer.eos_ids),
         };
         slot_of = ids.iter().enumerate().map(|(i, &t)| (t, i as u32)).collect();
-        log(format!("draft vocabulary: the {} most frequent corpus tokens", ids.len()));
+        log(format!("draft vocabulary: {} tokens{}", ids.len(), if init.is_some() { ", as --init's" } else { ", the corpus's most frequent" }));
         heads.set_draft_vocab(ids, &lm)?;
     }
     let restricted = heads.draft_vocab().is_some();

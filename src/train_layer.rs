@@ -154,7 +154,7 @@ pub fn train_layer(
         Some(l) => l.draft_vocab().to_vec(),
         None => frequent_tokens(train_set.iter().map(|c| c.tokens()), cfg.draft_vocab.min(vocab), &target.tokenizer.eos_ids),
     };
-    log(format!("draft vocabulary: the {} most frequent corpus tokens", ids.len()));
+    log(format!("draft vocabulary: {} tokens{}", ids.len(), if init.is_some() { ", as --init's" } else { ", the corpus's most frequent" }));
     let lcfg = DraftLayerConfig::for_target(target, ids.len())?;
     let varmap = VarMap::new();
     let layer = TrainLayer::init(&varmap, lcfg.clone(), &ids, &target.model, cfg.seed)?;

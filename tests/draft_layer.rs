@@ -149,8 +149,18 @@ fn layer_training_learns_resumes_and_round_trips() {
         Drafter::Layer(l) => l,
         Drafter::Heads(_) => panic!("a draft.json directory must load as a layer"),
     };
-    let x = Tensor::randn(0f32, 1., (2, t.model.config().hidden_size), &Device::Cpu).unwrap();
-    assert_eq!(back.top_k(&x, 5).unwrap(), full.top_k(&x, 5).unwrap());
+    // A fixed input (a random one made the drift checks below flaky: some draws sit where
+    // 8-bit rounding moves probabilities by a few hundredths).
+    let d = t.model.config().hidden_size;
+    let x = Tensor::from_vec((0..2 * d).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect::<Vec<f32>>(), (2, d), &Device::Cpu).unwrap();
+    // The layer's own loader keeps the target's format: the same drafts exactly.
+    assert_eq!(DraftLayer::from_dir(&dir, &t).unwrap().top_k(&x, 5).unwrap(), full.top_k(&x, 5).unwrap());
+    // The drafter loader drafts in 8-bit blocks whatever the target's format (cheaper; drafts
+    // need not be exact): the same top guesses, probabilities close.
+    for (ra, rb) in back.top_k(&x, 5).unwrap().iter().zip(full.top_k(&x, 5).unwrap()) {
+        assert_eq!(ra[0].0, rb[0].0, "{ra:?} vs {rb:?}");
+        assert!(ra.iter().zip(&rb).all(|(p, q)| (p.1 - q.1).abs() < 0.02), "{ra:?} vs {rb:?}");
+    }
     assert_eq!(back.draft_vocab(), full.draft_vocab());
     // 8-bit storage: a quarter of the size, the same drafts up to rounding.
     let q8 = scratch("layer-train-q8");
