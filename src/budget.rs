@@ -133,6 +133,60 @@ impl Calibration {
     }
 }
 
+/// One step's draft: the drafter's nodes (`0..drafted_nodes`, root included; `scores` holds
+/// their path probabilities), then the nodes the copied branch added; `branch` holds the node of
+/// each copied token (the drafter's where they merged).
+pub struct Draft {
+    pub tree: Tree,
+    pub tokens: Vec<u32>,
+    pub scores: Vec<f64>,
+    pub drafted_nodes: usize,
+    pub branch: Vec<usize>,
+}
+
+impl Calibration {
+    /// Keep the part of `draft` worth verifying on a device with `costs` (see [`choose_nodes`]);
+    /// `fixed_ms` is the step's cost besides the forward (drafting).
+    pub fn cut(&self, draft: Draft, costs: &CostCurve, fixed_ms: f64) -> Result<Draft> {
+        let Draft { tree, tokens, scores, drafted_nodes, branch } = draft;
+        let f = self.drafter_factor();
+        let mut est: Vec<f64> = (0..tree.len()).map(|i| if i < drafted_nodes { scores[i] * f } else { 0.0 }).collect();
+        let mut q = 1.0;
+        for (j, &i) in branch.iter().enumerate() {
+            q *= self.lookup_precision(j);
+            est[i] = est[i].max(q);
+        }
+        let keep = choose_nodes(&tree, &est, costs, fixed_ms);
+        let mut new_of = vec![usize::MAX; tree.len()];
+        for (j, &i) in keep.iter().enumerate() {
+            new_of[i] = j;
+        }
+        Ok(Draft {
+            tree: tree.restrict(&keep)?,
+            tokens: keep.iter().map(|&i| tokens[i]).collect(),
+            scores: keep.iter().filter(|&&i| i < drafted_nodes).map(|&i| scores[i]).collect(),
+            drafted_nodes: keep.iter().filter(|&&i| i < drafted_nodes).count(),
+            branch: branch.iter().map(|&i| new_of[i]).take_while(|&i| i != usize::MAX).collect(),
+        })
+    }
+
+    /// Learn from the verdict on a verified draft: `accepted` holds its accepted node indices.
+    pub fn learn(&mut self, draft: &Draft, accepted: &[usize]) {
+        let hits = accepted.iter().filter(|&&a| a != 0 && a < draft.drafted_nodes).count();
+        // The copied branch's outcome at each position its parent reached.
+        let mut parent = 0;
+        let mut outcome = Vec::new();
+        for &i in &draft.branch {
+            if !accepted.contains(&parent) {
+                break;
+            }
+            outcome.push(accepted.contains(&i));
+            parent = i;
+        }
+        self.record(&draft.scores[1..draft.drafted_nodes], hits, &outcome);
+    }
+}
+
 /// Which nodes to verify: `estimates[i]` is node i's chance of acceptance (root: 1). Keeps the
 /// root and the k likeliest other nodes, for the k that maximises
 /// `(1 + sum of their estimates) / (cost(k + 1) + fixed_ms)`; `fixed_ms` is what the step costs
@@ -203,6 +257,26 @@ mod tests {
         let odd: Vec<f64> = order.iter().map(|p| match p.as_slice() { [] => 1.0, [0] => 0.1, [0, 0] => 0.9, _ => 0.5 }).collect();
         let kept = choose_nodes(&tree, &odd, &curve(&[10.0, 10.5, 11.0, 30.0]), 0.0);
         assert!(kept.iter().all(|&i| i == 0 || kept.contains(&tree.node(i).parent.unwrap())), "{kept:?}");
+    }
+
+    #[test]
+    fn cut_keeps_likely_nodes_and_learning_follows_the_verdict() {
+        // Drafter: root -> a (0.9) -> b (0.2); the lookup added c under a, copying "a c".
+        let mut tree = Tree::from_paths(&[vec![0], vec![0, 0]]).unwrap();
+        let c = tree.add_child(1);
+        let draft = Draft { tree, tokens: vec![5, 6, 7, 8], scores: vec![1.0, 0.9, 0.18], drafted_nodes: 3, branch: vec![1, c] };
+        let calib = Calibration::default();
+        // Each extra node costs 30%: a (0.9) and c (0.75 * 0.75, the copied prior) pay, b (0.18)
+        // does not.
+        let cut = calib.cut(draft, &curve(&[10.0, 13.0, 16.0, 19.0]), 0.0).unwrap();
+        assert_eq!(cut.tokens, vec![5, 6, 8]);
+        assert_eq!((cut.drafted_nodes, cut.branch.clone(), cut.scores.clone()), (2, vec![1, 2], vec![1.0, 0.9]));
+        assert_eq!(cut.tree.node(2).parent, Some(1));
+        // a accepted, the copied c rejected.
+        let mut learned = calib.clone();
+        learned.learn(&cut, &[0, 1]);
+        assert!(learned.drafter_factor() > 1.0, "0.9 predicted, 1 accepted");
+        assert!(learned.lookup_precision(0) > LOOKUP_PRIOR && learned.lookup_precision(1) < LOOKUP_PRIOR);
     }
 
     #[test]

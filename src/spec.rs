@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::budget::{choose_nodes, Budget, Calibration, CostCurve};
+use crate::budget::{Budget, Calibration, CostCurve, Draft};
 
 use crate::generate::{check_budget, prefill, GenStats, StopRule};
 use crate::lookup::Lookup;
@@ -151,11 +151,8 @@ pub fn generate_spec(
 ) -> Result<(Vec<u32>, SpecStats)> {
     opts.params.validate()?;
     opts.tree.validate_for(drafter)?;
-    let costs = match &opts.tree {
-        TreeChoice::Auto(b) => Some(match &b.costs {
-            Some(c) => c.clone(),
-            None => Arc::new(CostCurve::measure(model, b.max_nodes + opts.lookup.map_or(0, |l| l.max_tokens))?),
-        }),
+    let costs = match opts.tree.clone().with_costs(model, opts.lookup.map_or(0, |l| l.max_tokens))? {
+        TreeChoice::Auto(b) => b.costs,
         _ => None,
     };
     let mut calib = Calibration::default();
@@ -186,40 +183,25 @@ pub fn generate_spec(
         let min_expand = costs.as_ref().map_or(0.0, |c| c.first_step() / calib.drafter_factor());
         let proposal = state.propose(model, root, &opts.tree, ACC_K, max_pos - committed, min_expand)?;
         drafts.push((out.len() - 1, proposal.guesses));
-        let (mut tree, mut tokens, scores) = (proposal.tree, proposal.tokens, proposal.scores);
-        // Nodes from `drafted_nodes` on were grafted by the lookup; `branch` is the copied path.
-        let mut drafted_nodes = tree.len();
-        let mut branch = match &opts.lookup {
+        let (mut tree, mut tokens) = (proposal.tree, proposal.tokens);
+        // The lookup grafts its nodes after the drafter's; `branch` is the copied path.
+        let drafted_nodes = tree.len();
+        let branch = match &opts.lookup {
             Some(l) => l.graft(&mut tree, &mut tokens, &history, max_pos - committed),
             None => Vec::new(),
         };
-        let mut kept_scores: Vec<f64> = scores[1..].to_vec();
+        let mut draft = Draft { tree, tokens, scores: proposal.scores, drafted_nodes, branch };
         if let Some(costs) = &costs {
-            let f = calib.drafter_factor();
-            let mut est: Vec<f64> = (0..tree.len()).map(|i| if i < drafted_nodes { scores[i] * f } else { 0.0 }).collect();
-            let mut q = 1.0;
-            for (j, &i) in branch.iter().enumerate() {
-                q *= calib.lookup_precision(j);
-                est[i] = est[i].max(q);
-            }
-            let steps = stats.gen.target_forwards.max(1) as f64;
-            let keep = choose_nodes(&tree, &est, costs, stats.time.draft * 1e3 / steps);
-            let mut new_of = vec![usize::MAX; tree.len()];
-            for (j, &i) in keep.iter().enumerate() {
-                new_of[i] = j;
-            }
-            tree = tree.restrict(&keep)?;
-            tokens = keep.iter().map(|&i| tokens[i]).collect();
-            kept_scores = keep.iter().filter(|&&i| i != 0 && i < drafted_nodes).map(|&i| scores[i]).collect();
-            drafted_nodes = keep.iter().filter(|&&i| i < drafted_nodes).count();
-            branch = branch.iter().map(|&i| new_of[i]).take_while(|&i| i != usize::MAX).collect();
+            let drafting_ms = stats.time.draft * 1e3 / stats.gen.target_forwards.max(1) as f64;
+            draft = calib.cut(draft, costs, drafting_ms)?;
         }
+        let (tree, tokens, drafted_nodes) = (&draft.tree, &draft.tokens, draft.drafted_nodes);
         stats.lookup_nodes += tree.len() - drafted_nodes;
         let t_fwd = Instant::now();
-        let hidden = model.forward(&tokens, &tree.positions(committed), &tree.mask(), &mut cache)?;
+        let hidden = model.forward(tokens, &tree.positions(committed), &tree.mask(), &mut cache)?;
         let all_logits = model.logits(&hidden)?;
         let t_verify = Instant::now();
-        let verdict = verify(&tree, &tokens, &history, &opts.params, opts.rule, rng, &mut |i| row_to_vec(&all_logits, i))?;
+        let verdict = verify(tree, tokens, &history, &opts.params, opts.rule, rng, &mut |i| row_to_vec(&all_logits, i))?;
         let t_commit = Instant::now();
         let slots: Vec<usize> = verdict.accepted.iter().map(|&a| committed + a).collect();
         cache.compact(committed, &slots)?;
@@ -232,18 +214,7 @@ pub fn generate_spec(
         stats.accept_hist[m] += 1;
         stats.lookup_accepted += verdict.accepted.iter().filter(|&&a| a >= drafted_nodes).count();
         if costs.is_some() {
-            let hits = verdict.accepted.iter().filter(|&&a| a != 0 && a < drafted_nodes).count();
-            // The copied branch's outcome at each position its parent reached.
-            let mut parent = 0;
-            let mut outcome = Vec::new();
-            for &i in &branch {
-                if !verdict.accepted.contains(&parent) {
-                    break;
-                }
-                outcome.push(verdict.accepted.contains(&i));
-                parent = i;
-            }
-            calib.record(&kept_scores, hits, &outcome);
+            calib.learn(&draft, &verdict.accepted);
         }
         if let TreeChoice::Static(_) = &opts.tree {
             for (i, n) in tree.nodes().iter().enumerate().take(drafted_nodes).skip(1) {
