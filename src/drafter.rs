@@ -14,6 +14,7 @@ use crate::loader::Target;
 use crate::model::Llama;
 use crate::quant::WeightFormat;
 use crate::spec::{TreeChoice, TOP_K_LIMIT};
+use crate::budget::Budget;
 use crate::tree::{dynamic_tree, Tree};
 use crate::{Error, Result};
 
@@ -129,15 +130,16 @@ impl DraftState<'_> {
             DraftState::Heads { heads, h_last } => {
                 let want = match choice {
                     TreeChoice::Static(t) => t.ranks_per_depth().into_iter().max().unwrap_or(1),
-                    TreeChoice::Dynamic(n) => (*n).min(TOP_K_LIMIT),
-                    TreeChoice::Auto(b) => b.max_nodes.min(TOP_K_LIMIT),
+                    TreeChoice::Dynamic(n) | TreeChoice::Auto(Budget { max_nodes: n, .. }) => (*n).min(TOP_K_LIMIT),
                 };
                 let top = heads.draft_top_k(h_last, root, model, want.max(keep))?;
                 let guesses = top.iter().map(|r| r.iter().take(keep).map(|x| x.0).collect()).collect();
                 let mut tree = match choice {
                     TreeChoice::Static(t) => t.clone(),
-                    TreeChoice::Dynamic(n) => dynamic_tree(&top.iter().map(|r| r[..want.min(r.len())].to_vec()).collect::<Vec<_>>(), *n),
-                    TreeChoice::Auto(b) => dynamic_tree(&top.iter().map(|r| r[..want.min(r.len())].to_vec()).collect::<Vec<_>>(), b.max_nodes),
+                    // An auto tree grows as a dynamic one; the loop cuts it afterwards.
+                    TreeChoice::Dynamic(n) | TreeChoice::Auto(Budget { max_nodes: n, .. }) => {
+                        dynamic_tree(&top.iter().map(|r| r[..want.min(r.len())].to_vec()).collect::<Vec<_>>(), *n)
+                    }
                 };
                 if tree.len() > max_nodes {
                     tree = Tree::from_paths(&[]).expect("root-only tree");
