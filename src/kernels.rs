@@ -90,6 +90,13 @@ pub(crate) struct OutPtr(pub(crate) *mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
+impl OutPtr {
+    /// The pointer `i` values further on (callers keep within the buffer).
+    pub(crate) fn offset(&self, i: usize) -> OutPtr {
+        OutPtr(self.0.wrapping_add(i))
+    }
+}
+
 #[inline(always)]
 fn matmul_block(x: &[f32], m: usize, k: usize, w: &[f32], n0: usize, n1: usize, n: usize, out: OutPtr) {
     let mut j = n0;
@@ -575,6 +582,70 @@ impl TreeMask {
     }
 }
 
+/// `silu(g) * u` per row of `x = [g | u]`, the fused gate/up projection's output: one pass
+/// instead of candle's narrow, copy, silu (a libm `expf` call per value) and multiply, which
+/// together cost 3-4% of a forward. `silu(g) = g / (1 + e^-g)` with this module's `exp`, the
+/// same bits on every instruction-set path; each value depends only on its own g and u.
+pub struct SwiGlu;
+
+impl candle_core::CustomOp1 for SwiGlu {
+    fn name(&self) -> &'static str {
+        "selfspec-swiglu"
+    }
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = contiguous(s, l, "swiglu x")?;
+        let (t, w) = l.shape().dims2()?;
+        if w % 2 != 0 {
+            candle_core::bail!("swiglu: width {w} is not [gate | up]")
+        }
+        let n = w / 2;
+        let mut out = vec![0f32; t * n];
+        let simd = isa();
+        let row = |(x, o): (&[f32], &mut [f32])| {
+            let (g, u) = x.split_at(n);
+            #[cfg(target_arch = "x86_64")]
+            if simd == Isa::Avx512 {
+                unsafe { swiglu512(g, u, o) };
+                return;
+            }
+            let _ = simd;
+            swiglu_row(g, u, o);
+        };
+        if t >= 4 {
+            x.par_chunks(w).zip(out.par_chunks_mut(n)).for_each(row);
+        } else {
+            x.chunks(w).zip(out.chunks_mut(n)).for_each(row);
+        }
+        Ok((CpuStorage::F32(out), Shape::from((t, n))))
+    }
+}
+
+fn swiglu_row(g: &[f32], u: &[f32], o: &mut [f32]) {
+    for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+        *o = g / (1.0 + exp_clamped(-g)) * u;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn swiglu512(g: &[f32], u: &[f32], o: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let n = g.len();
+    let mut i = 0;
+    let one = _mm512_set1_ps(1.0);
+    while i < n {
+        let m = if n - i >= LANES { 0xffff } else { ((1u32 << (n - i)) - 1) as __mmask16 };
+        let gv = _mm512_maskz_loadu_ps(m, g.as_ptr().add(i));
+        let uv = _mm512_maskz_loadu_ps(m, u.as_ptr().add(i));
+        let neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gv), _mm512_set1_epi32(i32::MIN)));
+        let x = _mm512_min_ps(_mm512_max_ps(neg, _mm512_set1_ps(EXP_MIN)), _mm512_set1_ps(EXP_MAX));
+        let e = attend512::exp16_in_range(x);
+        let y = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), uv);
+        _mm512_mask_storeu_ps(o.as_mut_ptr().add(i), m, y);
+        i += LANES;
+    }
+}
+
 /// Tree attention on the CPU: `q [t, h, d]`, `k, v [s, hkv, d]` with `s = prefix_len + t`.
 /// Keys are visited in slot order and masked keys are skipped, so a node's output is
 /// bit-identical to the one computed when its path is decoded one token at a time.
@@ -611,24 +682,51 @@ impl CustomOp3 for TreeAttention {
         let mask = &self.mask;
         let scale = self.scale;
         let isa = isa();
-        // One task per (row, query head): with 2-16 cores, nine tasks for a single decoded token
-        // spread far more evenly than three (one per K/V head); the K/V rows a group of heads
-        // shares are read from cache by the second and third head.
-        out.par_chunks_mut(d).enumerate().for_each_init(
+        let outp = OutPtr(out.as_mut_ptr());
+        // A task is a run of (row, query head) pairs that share one K/V head, row by row, so the
+        // K/V rows of the common prefix are fetched once per task and used by every pair while
+        // in L1. Runs are short enough for about four tasks per thread (a single decoded token
+        // still gets nine one-pair tasks, which spread evenly over 2-16 cores).
+        let per_task = (t * h / (rayon::current_num_threads() * 4)).clamp(1, MAX_PAIRS_PER_TASK);
+        let tasks: Vec<(usize, usize, usize)> = (0..hkv)
+            .flat_map(|g| (0..t * group).step_by(per_task).map(move |s| (g, s, (t * group - s).min(per_task))))
+            .collect();
+        tasks.par_iter().for_each_init(
             || (Scratch::default(), Vec::<usize>::new()),
-            |(scores, keys), (task, o)| {
-                let (i, hh) = (task / h, task % h);
+            |(scratch, keys), &(g, first, count)| {
+                // Key lists of the task's rows, one after another (pairs of a row share one).
+                let (r0, r1) = (first / group, (first + count - 1) / group + 1);
                 keys.clear();
-                keys.extend(0..prefix);
-                keys.extend((0..t).filter(|&j| mask.sees(i, j)).map(|j| prefix + j));
-                let q0 = (i * h + hh) * d;
-                let args = AttendHead { q: &q[q0..q0 + d], k, v, keys, hkv, kvh: hh / group, d, scale };
+                let mut bounds = Vec::with_capacity(r1 - r0 + 1);
+                for i in r0..r1 {
+                    bounds.push(keys.len());
+                    keys.extend(0..prefix);
+                    keys.extend((0..t).filter(|&j| mask.sees(i, j)).map(|j| prefix + j));
+                }
+                bounds.push(keys.len());
+                let pairs: Vec<Pair> = (first..first + count)
+                    .map(|idx| {
+                        let (i, hh) = (idx / group, g * group + idx % group);
+                        let q0 = (i * h + hh) * d;
+                        Pair { q: &q[q0..q0 + d], keys: &keys[bounds[i - r0]..bounds[i - r0 + 1]], out: outp.offset(q0) }
+                    })
+                    .collect();
+                let kv = KvHead { k, v, hkv, kvh: g, d, scale };
                 match isa {
                     #[cfg(target_arch = "x86_64")]
-                    Isa::Avx512 if d % LANES == 0 && d <= attend512::MAX_D => unsafe { attend512::attend_head(&args, scores, o) },
-                    #[cfg(target_arch = "x86_64")]
-                    Isa::Avx512 | Isa::Avx2 => unsafe { attend_head_fma(&args, scores, o) },
-                    _ => attend_head(&args, scores, o),
+                    Isa::Avx512 if d % LANES == 0 && d <= attend512::MAX_D => unsafe { attend512::attend_group(&kv, &pairs, prefix, scratch) },
+                    _ => {
+                        for pr in &pairs {
+                            let o = unsafe { std::slice::from_raw_parts_mut(pr.out.0, d) };
+                            let args = AttendHead { q: pr.q, k, v, keys: pr.keys, hkv, kvh: g, d, scale };
+                            #[cfg(target_arch = "x86_64")]
+                            if matches!(isa, Isa::Avx512 | Isa::Avx2) {
+                                unsafe { attend_head_fma(&args, scratch, o) };
+                                continue;
+                            }
+                            attend_head(&args, scratch, o);
+                        }
+                    }
                 }
             },
         );
@@ -636,11 +734,42 @@ impl CustomOp3 for TreeAttention {
     }
 }
 
+/// Most (row, head) pairs in one attention task (bounds the per-task scratch).
+const MAX_PAIRS_PER_TASK: usize = 12;
+
 /// Per-thread buffers of the attention tasks.
 #[derive(Default)]
 struct Scratch {
     scores: Vec<f32>,
     chains: Vec<f32>,
+    /// Per pair of a task: running score maxima (16 lanes) and output accumulators.
+    maxv: Vec<f32>,
+    acc: Vec<f32>,
+}
+
+/// The K/V of one key-value head, for every pair of a task.
+struct KvHead<'a> {
+    k: &'a [f32],
+    v: &'a [f32],
+    hkv: usize,
+    kvh: usize,
+    d: usize,
+    scale: f32,
+}
+
+impl KvHead<'_> {
+    #[inline(always)]
+    fn row(&self, slot: usize) -> usize {
+        (slot * self.hkv + self.kvh) * self.d
+    }
+}
+
+/// One query head of one row: its query, the slots it sees (increasing; the first `prefix` are
+/// `0..prefix`), and where its output goes.
+struct Pair<'a> {
+    q: &'a [f32],
+    keys: &'a [usize],
+    out: OutPtr,
 }
 
 /// One query head of one row and the K/V it reads.
@@ -669,7 +798,18 @@ impl AttendHead<'_> {
 /// the same bits on every instruction-set path and vectorises (libm's expf is a call per value).
 #[inline(always)]
 fn exp_nonpositive(x: f32) -> f32 {
-    let x = x.max(EXP_MIN);
+    exp_in_range(x.max(EXP_MIN))
+}
+
+/// `e^x` for any x, clamped to [-87, 88] where f32 neither flushes to zero nor overflows; the
+/// same arithmetic as `exp_nonpositive`.
+#[inline(always)]
+fn exp_clamped(x: f32) -> f32 {
+    exp_in_range(x.max(EXP_MIN).min(EXP_MAX))
+}
+
+#[inline(always)]
+fn exp_in_range(x: f32) -> f32 {
     let n = (x * LOG2E + MAGIC) - MAGIC;
     let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, x));
     let mut p = EXP_POLY[0];
@@ -680,6 +820,7 @@ fn exp_nonpositive(x: f32) -> f32 {
     e * f32::from_bits(((n as i32 + 127) as u32) << 23)
 }
 const EXP_MIN: f32 = -87.0;
+const EXP_MAX: f32 = 88.0;
 const LOG2E: f32 = std::f32::consts::LOG2_E;
 const LN2_HI: f32 = 0.693_359_4;
 const LN2_LO: f32 = -2.121_944_4e-4;
@@ -695,7 +836,7 @@ const EXP_POLY: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_
 #[inline(always)]
 fn attend_head(a: &AttendHead, scratch: &mut Scratch, o: &mut [f32]) {
     let n = a.keys.len();
-    let Scratch { scores, chains } = scratch;
+    let Scratch { scores, chains, .. } = scratch;
     scores.clear();
     scores.extend(a.keys.iter().map(|&j| dot_fixed(a.q, &a.k[a.row(j)]) * a.scale));
     let max = scores.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
@@ -780,7 +921,12 @@ mod attend512 {
     /// `exp_nonpositive` on 16 values with the same operations in the same order.
     #[inline(always)]
     unsafe fn exp16(x: __m512) -> __m512 {
-        let x = _mm512_max_ps(x, _mm512_set1_ps(EXP_MIN));
+        exp16_in_range(_mm512_max_ps(x, _mm512_set1_ps(EXP_MIN)))
+    }
+
+    /// `exp_in_range` on 16 values.
+    #[inline(always)]
+    pub(super) unsafe fn exp16_in_range(x: __m512) -> __m512 {
         let magic = _mm512_set1_ps(MAGIC);
         let n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)), magic), magic);
         let r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_LO), _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_HI), x));
@@ -800,86 +946,165 @@ mod attend512 {
 
     /// Dispatches on the head size so that the per-head vectors live in registers.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn attend_head(a: &AttendHead, scratch: &mut Scratch, o: &mut [f32]) {
-        let scores = &mut scratch.scores;
-        match a.d / LANES {
-            1 => head::<1>(a, scores, o),
-            2 => head::<2>(a, scores, o),
-            3 => head::<3>(a, scores, o),
-            4 => head::<4>(a, scores, o),
-            5 => head::<5>(a, scores, o),
-            6 => head::<6>(a, scores, o),
-            7 => head::<7>(a, scores, o),
-            8 => head::<8>(a, scores, o),
-            _ => super::attend_head(a, scratch, o),
+    pub unsafe fn attend_group(kv: &KvHead, pairs: &[Pair], prefix: usize, scratch: &mut Scratch) {
+        match kv.d / LANES {
+            1 => group::<1>(kv, pairs, prefix, scratch),
+            2 => group::<2>(kv, pairs, prefix, scratch),
+            3 => group::<3>(kv, pairs, prefix, scratch),
+            4 => group::<4>(kv, pairs, prefix, scratch),
+            5 => group::<5>(kv, pairs, prefix, scratch),
+            6 => group::<6>(kv, pairs, prefix, scratch),
+            7 => group::<7>(kv, pairs, prefix, scratch),
+            8 => group::<8>(kv, pairs, prefix, scratch),
+            _ => {
+                for pr in pairs {
+                    let a = AttendHead { q: pr.q, k: kv.k, v: kv.v, keys: pr.keys, hkv: kv.hkv, kvh: kv.kvh, d: kv.d, scale: kv.scale };
+                    super::attend_head(&a, scratch, std::slice::from_raw_parts_mut(pr.out.0, kv.d));
+                }
+            }
         }
     }
 
+    /// One pair alone (the reference test's entry point).
+    #[cfg(test)]
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn attend_head(a: &AttendHead, scratch: &mut Scratch, o: &mut [f32]) {
+        let kv = KvHead { k: a.k, v: a.v, hkv: a.hkv, kvh: a.kvh, d: a.d, scale: a.scale };
+        attend_group(&kv, &[Pair { q: a.q, keys: a.keys, out: OutPtr(o.as_mut_ptr()) }], 0, scratch)
+    }
+
+    /// Scores of one pair for the 16 keys whose K rows are `rows`: per key, one FMA chain over
+    /// the head's 16-lane slices, then the transposing lane tree.
     #[inline(always)]
-    unsafe fn head<const C: usize>(a: &AttendHead, scores: &mut Vec<f32>, o: &mut [f32]) {
-        let n = a.keys.len();
-        let mut qv = [_mm512_setzero_ps(); C];
-        for (c, q) in qv.iter_mut().enumerate() {
-            *q = _mm512_loadu_ps(a.q.as_ptr().add(c * LANES));
-        }
-        scores.clear();
-        scores.resize(n.next_multiple_of(LANES), 0.0);
-        let (kp, sp) = (a.k.as_ptr(), scores.as_mut_ptr());
-        let scale = _mm512_set1_ps(a.scale);
-        let mut maxv = _mm512_set1_ps(f32::NEG_INFINITY);
-        for b in (0..n).step_by(LANES) {
-            let live = (n - b).min(LANES);
-            let mut acc = [_mm512_setzero_ps(); 16];
-            let mut rows = [kp; 16];
-            for u in 0..live {
-                rows[u] = kp.add(a.row(a.keys[b + u]).start);
-            }
-            for (c, q) in qv.iter().enumerate() {
-                for u in 0..16 {
-                    acc[u] = _mm512_fmadd_ps(*q, _mm512_loadu_ps(rows[u].add(c * LANES)), acc[u]);
-                }
-            }
-            let s = _mm512_mul_ps(reduce16(&acc), scale);
-            let m = tail_mask(live);
-            _mm512_mask_storeu_ps(sp.add(b), m, s);
-            maxv = _mm512_mask_max_ps(maxv, m, maxv, s);
-        }
-        let max = _mm512_set1_ps(_mm512_reduce_max_ps(maxv));
-        let mut lanes = _mm512_setzero_ps();
-        for b in (0..n).step_by(LANES) {
-            let m = tail_mask(n - b);
-            let e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sp.add(b)), max));
-            _mm512_mask_storeu_ps(sp.add(b), m, e);
-            lanes = _mm512_mask_add_ps(lanes, m, lanes, e);
-        }
-        let mut l = [0f32; LANES];
-        _mm512_storeu_ps(l.as_mut_ptr(), lanes);
-        let inv = _mm512_set1_ps(1.0 / reduce_lanes(l));
-        let mut acc = [[_mm512_setzero_ps(); C]; V_CHAINS];
-        let vp = a.v.as_ptr();
-        let mut jj = 0;
-        while jj + V_CHAINS <= n {
-            for (ch, acc) in acc.iter_mut().enumerate() {
-                let p = _mm512_set1_ps(*sp.add(jj + ch));
-                let row = vp.add(a.row(a.keys[jj + ch]).start);
-                for (c, acc) in acc.iter_mut().enumerate() {
-                    *acc = _mm512_fmadd_ps(p, _mm512_loadu_ps(row.add(c * LANES)), *acc);
-                }
-            }
-            jj += V_CHAINS;
-        }
-        for (ch, acc) in acc.iter_mut().enumerate().take(n - jj) {
-            let p = _mm512_set1_ps(*sp.add(jj + ch));
-            let row = vp.add(a.row(a.keys[jj + ch]).start);
-            for (c, acc) in acc.iter_mut().enumerate() {
-                *acc = _mm512_fmadd_ps(p, _mm512_loadu_ps(row.add(c * LANES)), *acc);
-            }
-        }
+    unsafe fn scores16<const C: usize>(q: *const f32, rows: &[*const f32; 16], scale: __m512) -> __m512 {
+        let mut acc = [_mm512_setzero_ps(); 16];
         for c in 0..C {
-            let s = _mm512_add_ps(_mm512_add_ps(acc[0][c], acc[1][c]), _mm512_add_ps(acc[2][c], acc[3][c]));
-            _mm512_storeu_ps(o.as_mut_ptr().add(c * LANES), _mm512_mul_ps(s, inv));
+            let qc = _mm512_loadu_ps(q.add(c * LANES));
+            for u in 0..16 {
+                acc[u] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(rows[u].add(c * LANES)), acc[u]);
+            }
+        }
+        _mm512_mul_ps(reduce16(&acc), scale)
+    }
+
+    /// Keys `jj..jj + V_CHAINS` of one pair into its output chains (key jj + ch feeds chain ch).
+    #[inline(always)]
+    unsafe fn values4<const C: usize>(acc: &mut [[__m512; C]; V_CHAINS], probs: *const f32, rows: [*const f32; V_CHAINS], live: usize) {
+        for (ch, acc) in acc.iter_mut().enumerate().take(live) {
+            let p = _mm512_set1_ps(*probs.add(ch));
+            for (c, acc) in acc.iter_mut().enumerate() {
+                *acc = _mm512_fmadd_ps(p, _mm512_loadu_ps(rows[ch].add(c * LANES)), *acc);
+            }
         }
     }
+
+    /// Keys of the shared prefix per step of the output phase: their V rows (16 KB for 64-wide
+    /// heads) stay in L1 while every pair of the task reads them. A multiple of `V_CHAINS`, so a
+    /// key feeds the same chain as when the pair runs alone.
+    const V_STEP: usize = 64;
+
+    /// Attention for pairs that share a K/V head. Each pair's arithmetic is exactly that of the
+    /// pair alone (the portable `attend_head`, bit for bit); only the order in which pairs visit
+    /// the shared prefix's keys is interleaved, so those K/V rows are loaded from memory once.
+    #[inline(always)]
+    unsafe fn group<const C: usize>(kv: &KvHead, pairs: &[Pair], prefix: usize, scratch: &mut Scratch) {
+        let np = pairs.len();
+        let stride = pairs.iter().map(|p| p.keys.len()).max().unwrap_or(0).next_multiple_of(LANES);
+        let Scratch { scores, maxv, acc: accs, .. } = scratch;
+        scores.clear();
+        scores.resize(np * stride, 0.0);
+        maxv.clear();
+        maxv.resize(np * LANES, f32::NEG_INFINITY);
+        let (kp, vp, sp) = (kv.k.as_ptr(), kv.v.as_ptr(), scores.as_mut_ptr());
+        let scale = _mm512_set1_ps(kv.scale);
+        // Scores, 16 keys at a time: first the blocks inside the shared prefix, for all pairs
+        // while the 16 K rows are hot, then each pair's own remaining keys.
+        let shared = (prefix / LANES) * LANES;
+        for b in (0..shared).step_by(LANES) {
+            let rows: [*const f32; 16] = std::array::from_fn(|u| kp.add(kv.row(b + u)));
+            for (pi, pr) in pairs.iter().enumerate() {
+                let s = scores16::<C>(pr.q.as_ptr(), &rows, scale);
+                _mm512_storeu_ps(sp.add(pi * stride + b), s);
+                let mv = maxv.as_mut_ptr().add(pi * LANES);
+                _mm512_storeu_ps(mv, _mm512_max_ps(_mm512_loadu_ps(mv), s));
+            }
+        }
+        let mut inv = [0f32; MAX_PAIRS];
+        for (pi, pr) in pairs.iter().enumerate() {
+            let n = pr.keys.len();
+            let spp = sp.add(pi * stride);
+            let mut m = _mm512_loadu_ps(maxv.as_ptr().add(pi * LANES));
+            for b in (shared..n).step_by(LANES) {
+                let live = (n - b).min(LANES);
+                let mut rows = [kp; 16];
+                for u in 0..live {
+                    rows[u] = kp.add(kv.row(pr.keys[b + u]));
+                }
+                let s = scores16::<C>(pr.q.as_ptr(), &rows, scale);
+                let lm = tail_mask(live);
+                _mm512_mask_storeu_ps(spp.add(b), lm, s);
+                m = _mm512_mask_max_ps(m, lm, m, s);
+            }
+            // Probabilities (unnormalised) and their sum, as the pair alone would.
+            let max = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+            let mut lanes = _mm512_setzero_ps();
+            for b in (0..n).step_by(LANES) {
+                let lm = tail_mask(n - b);
+                let e = exp16(_mm512_sub_ps(_mm512_loadu_ps(spp.add(b)), max));
+                _mm512_mask_storeu_ps(spp.add(b), lm, e);
+                lanes = _mm512_mask_add_ps(lanes, lm, lanes, e);
+            }
+            let mut l = [0f32; LANES];
+            _mm512_storeu_ps(l.as_mut_ptr(), lanes);
+            inv[pi] = 1.0 / reduce_lanes(l);
+        }
+        // Outputs: the shared prefix in steps of V_STEP keys for all pairs (chains parked in
+        // scratch between steps), then each pair's own keys.
+        let per = V_CHAINS * C;
+        accs.clear();
+        accs.resize(np * per * LANES, 0.0);
+        let ap = accs.as_mut_ptr();
+        let park = |pi: usize, acc: &[[__m512; C]; V_CHAINS]| {
+            for (ch, a) in acc.iter().enumerate() {
+                for (c, a) in a.iter().enumerate() {
+                    _mm512_storeu_ps(ap.add(((pi * V_CHAINS + ch) * C + c) * LANES), *a);
+                }
+            }
+        };
+        let unpark = |pi: usize| -> [[__m512; C]; V_CHAINS] {
+            std::array::from_fn(|ch| std::array::from_fn(|c| _mm512_loadu_ps(ap.add(((pi * V_CHAINS + ch) * C + c) * LANES))))
+        };
+        let vshared = (prefix / V_STEP) * V_STEP;
+        for j0 in (0..vshared).step_by(V_STEP) {
+            for pi in 0..np {
+                let mut acc = unpark(pi);
+                for jj in (j0..j0 + V_STEP).step_by(V_CHAINS) {
+                    let rows: [*const f32; V_CHAINS] = std::array::from_fn(|ch| vp.add(kv.row(jj + ch)));
+                    values4::<C>(&mut acc, sp.add(pi * stride + jj), rows, V_CHAINS);
+                }
+                park(pi, &acc);
+            }
+        }
+        for (pi, pr) in pairs.iter().enumerate() {
+            let n = pr.keys.len();
+            let mut acc = unpark(pi);
+            let mut jj = vshared;
+            while jj < n {
+                let live = (n - jj).min(V_CHAINS);
+                let rows: [*const f32; V_CHAINS] = std::array::from_fn(|ch| vp.add(kv.row(pr.keys[(jj + ch).min(n - 1)])));
+                values4::<C>(&mut acc, sp.add(pi * stride + jj), rows, live);
+                jj += V_CHAINS;
+            }
+            let invv = _mm512_set1_ps(inv[pi]);
+            for c in 0..C {
+                let s = _mm512_add_ps(_mm512_add_ps(acc[0][c], acc[1][c]), _mm512_add_ps(acc[2][c], acc[3][c]));
+                _mm512_storeu_ps(pr.out.0.add(c * LANES), _mm512_mul_ps(s, invv));
+            }
+        }
+    }
+
+    /// Most pairs per call (the task size bound).
+    const MAX_PAIRS: usize = super::MAX_PAIRS_PER_TASK;
 }
 
 #[cfg(test)]
@@ -978,6 +1203,67 @@ mod tests {
                 assert_eq!(got, want, "AVX-512 attention differs from the reference for {n} keys");
             }
         }
+    }
+
+    /// The attention op, whatever its task split and however many rows and heads share the
+    /// prefix's K/V rows, gives every (row, head) the bits of the portable one-pair reference.
+    #[test]
+    fn tree_attention_op_matches_one_pair_reference() {
+        use candle_core::{Device, Tensor};
+        let (h, hkv, d) = (6, 2, 64);
+        let parents = [None, Some(0), Some(0), Some(1), Some(1), Some(2), Some(3), Some(6), Some(0), Some(8), Some(9), Some(9), Some(4), Some(12), Some(13), Some(14), Some(15)];
+        for (t, prefix) in [(1, 0), (1, 70), (3, 15), (5, 16), (17, 64), (17, 130), (12, 200)] {
+            let mask = TreeMask::from_parents(&parents[..t]).unwrap();
+            let s = prefix + t;
+            let q = rand_vec(t * h * d, 11 + t as u64);
+            let k = rand_vec(s * hkv * d, 12 + prefix as u64);
+            let v = rand_vec(s * hkv * d, 13);
+            let dev = Device::Cpu;
+            let op = TreeAttention { mask: std::sync::Arc::new(mask.clone()), prefix_len: prefix, scale: 0.125 };
+            let qt = Tensor::from_vec(q.clone(), (t, h, d), &dev).unwrap();
+            let kt = Tensor::from_vec(k.clone(), (s, hkv, d), &dev).unwrap();
+            let vt = Tensor::from_vec(v.clone(), (s, hkv, d), &dev).unwrap();
+            let got: Vec<f32> = qt.apply_op3_no_bwd(&kt, &vt, &op).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            for i in 0..t {
+                let keys: Vec<usize> = (0..prefix).chain((0..t).filter(|&j| mask.sees(i, j)).map(|j| prefix + j)).collect();
+                for hh in 0..h {
+                    let q0 = (i * h + hh) * d;
+                    let a = AttendHead { q: &q[q0..q0 + d], k: &k, v: &v, keys: &keys, hkv, kvh: hh / (h / hkv), d, scale: 0.125 };
+                    let mut want = vec![0f32; d];
+                    attend_head(&a, &mut Scratch::default(), &mut want);
+                    assert_eq!(&got[q0..q0 + d], &want[..], "t={t} prefix={prefix} row {i} head {hh}");
+                }
+            }
+        }
+    }
+
+    /// The fused SwiGLU agrees with candle's `silu(g) * u` to a few ulp, over the whole range
+    /// (large |g| included), and its SIMD and portable paths give the same bits.
+    #[test]
+    fn swiglu_matches_candle_and_portable_bits() {
+        use candle_core::{Device, Tensor};
+        let (t, n) = (5, 37);
+        let mut x: Vec<f32> = rand_vec(t * 2 * n, 21).iter().map(|v| v * 24.0).collect();
+        x[0] = 0.0;
+        x[1] = -0.0;
+        x[2] = 95.0;
+        x[3] = -120.0;
+        x[4] = 1e-30;
+        let xt = Tensor::from_vec(x.clone(), (t, 2 * n), &Device::Cpu).unwrap();
+        let got: Vec<f32> = xt.apply_op1_no_bwd(&SwiGlu).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let g = xt.narrow(1, 0, n).unwrap();
+        let u = xt.narrow(1, n, n).unwrap();
+        let want: Vec<f32> = (candle_nn::ops::silu(&g).unwrap() * u).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert!((a - b).abs() <= 4e-7 * b.abs().max(1e-30) + 1e-37, "[{i}] x {} -> {a} vs {b}", x[(i / n) * 2 * n + i % n]);
+        }
+        let mut port = vec![0f32; t * n];
+        for i in 0..t {
+            let row = &x[i * 2 * n..(i + 1) * 2 * n];
+            swiglu_row(&row[..n], &row[n..], &mut port[i * n..(i + 1) * n]);
+        }
+        assert_eq!(port, got);
+        assert!(Tensor::zeros((2, 5), candle_core::DType::F32, &Device::Cpu).unwrap().apply_op1_no_bwd(&SwiGlu).is_err());
     }
 
     #[test]

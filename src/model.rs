@@ -8,7 +8,7 @@ use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::{Embedding, RmsNorm, VarBuilder};
 use serde::{Deserialize, Serialize};
 
-use crate::kernels::{PackedWeight, RowMatmul, TreeAttention, TreeMask};
+use crate::kernels::{PackedWeight, RowMatmul, SwiGlu, TreeAttention, TreeMask};
 use crate::quant::{CpuMatmul, CpuWeight, PackedF16, PackedQuant, QuantRows, WeightFormat};
 use crate::kv_cache::KvCache;
 use crate::{Error, Result};
@@ -181,12 +181,18 @@ impl Fused {
         Ok(x.device().is_cpu() && x.dtype() == DType::F32 && self.fast.prefers_kernel(x.dim(0)?))
     }
 
+    /// `x [rows, in]` -> `[rows, sum of out_i]`, the parts side by side.
+    fn forward_joined(&self, x: &Tensor) -> Result<Tensor> {
+        let y = x.contiguous()?.apply_op1_no_bwd(&CpuMatmul(self.fast.clone()))?;
+        Ok(match &self.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        })
+    }
+
     /// `x [rows, in]` -> one `[rows, out_i]` tensor per fused part.
     fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
-        let mut y = x.contiguous()?.apply_op1_no_bwd(&CpuMatmul(self.fast.clone()))?;
-        if let Some(b) = &self.bias {
-            y = y.broadcast_add(b)?;
-        }
+        let y = self.forward_joined(x)?;
         let mut out = Vec::with_capacity(self.sizes.len());
         let mut at = 0;
         for &n in &self.sizes {
@@ -477,14 +483,11 @@ impl Llama {
             let a = b.attn.forward(&h, &cos, &sin, &mask, prefix, cache, i)?;
             x = (x + a)?;
             let h = b.mlp_norm.forward(&x)?;
-            let (g, u) = match &b.mlp.gate_up {
-                Some(f) if f.applies(&h)? => match <[Tensor; 2]>::try_from(f.forward(&h)?) {
-                    Ok([g, u]) => (g, u),
-                    Err(_) => return Err(Error::InvalidArgument("fused gate/up must have two parts".into())),
-                },
-                _ => (b.mlp.gate.forward(&h)?, b.mlp.up.forward(&h)?),
+            let act = match &b.mlp.gate_up {
+                Some(f) if f.applies(&h)? => f.forward_joined(&h)?.apply_op1_no_bwd(&SwiGlu)?,
+                _ => (candle_nn::ops::silu(&b.mlp.gate.forward(&h)?)? * b.mlp.up.forward(&h)?)?.contiguous()?,
             };
-            let m = b.mlp.down.forward(&(candle_nn::ops::silu(&g)? * u)?.contiguous()?)?;
+            let m = b.mlp.down.forward(&act)?;
             x = (x + m)?;
         }
         cache.append(t)?;
