@@ -742,9 +742,10 @@ const MAX_PAIRS_PER_TASK: usize = 12;
 struct Scratch {
     scores: Vec<f32>,
     chains: Vec<f32>,
-    /// Per pair of a task: running score maxima (16 lanes) and output accumulators.
+    /// Per pair of a task: running score maxima (16 lanes), output accumulators, 1 / softmax sum.
     maxv: Vec<f32>,
     acc: Vec<f32>,
+    inv: Vec<f32>,
 }
 
 /// The K/V of one key-value head, for every pair of a task.
@@ -1010,7 +1011,7 @@ mod attend512 {
     unsafe fn group<const C: usize>(kv: &KvHead, pairs: &[Pair], prefix: usize, scratch: &mut Scratch) {
         let np = pairs.len();
         let stride = pairs.iter().map(|p| p.keys.len()).max().unwrap_or(0).next_multiple_of(LANES);
-        let Scratch { scores, maxv, acc: accs, .. } = scratch;
+        let Scratch { scores, maxv, acc: accs, inv, .. } = scratch;
         scores.clear();
         scores.resize(np * stride, 0.0);
         maxv.clear();
@@ -1029,7 +1030,8 @@ mod attend512 {
                 _mm512_storeu_ps(mv, _mm512_max_ps(_mm512_loadu_ps(mv), s));
             }
         }
-        let mut inv = [0f32; MAX_PAIRS];
+        inv.clear();
+        inv.resize(np, 0.0);
         for (pi, pr) in pairs.iter().enumerate() {
             let n = pr.keys.len();
             let spp = sp.add(pi * stride);
@@ -1102,9 +1104,6 @@ mod attend512 {
             }
         }
     }
-
-    /// Most pairs per call (the task size bound).
-    const MAX_PAIRS: usize = super::MAX_PAIRS_PER_TASK;
 }
 
 #[cfg(test)]
