@@ -718,13 +718,12 @@ impl CustomOp3 for TreeAttention {
                     _ => {
                         for pr in &pairs {
                             let o = unsafe { std::slice::from_raw_parts_mut(pr.out.0, d) };
-                            let args = AttendHead { q: pr.q, k, v, keys: pr.keys, hkv, kvh: g, d, scale };
                             #[cfg(target_arch = "x86_64")]
                             if matches!(isa, Isa::Avx512 | Isa::Avx2) {
-                                unsafe { attend_head_fma(&args, scratch, o) };
+                                unsafe { attend_head_fma(&kv, pr.q, pr.keys, scratch, o) };
                                 continue;
                             }
-                            attend_head(&args, scratch, o);
+                            attend_head(&kv, pr.q, pr.keys, scratch, o);
                         }
                     }
                 }
@@ -759,9 +758,14 @@ struct KvHead<'a> {
 }
 
 impl KvHead<'_> {
+    /// Where slot `slot`'s row of this head starts in `k` and `v`.
     #[inline(always)]
     fn row(&self, slot: usize) -> usize {
         (slot * self.hkv + self.kvh) * self.d
+    }
+    #[inline(always)]
+    fn rows(&self, slot: usize) -> std::ops::Range<usize> {
+        self.row(slot)..self.row(slot) + self.d
     }
 }
 
@@ -771,27 +775,6 @@ struct Pair<'a> {
     q: &'a [f32],
     keys: &'a [usize],
     out: OutPtr,
-}
-
-/// One query head of one row and the K/V it reads.
-struct AttendHead<'a> {
-    q: &'a [f32],
-    k: &'a [f32],
-    v: &'a [f32],
-    /// Visible slots, increasing.
-    keys: &'a [usize],
-    hkv: usize,
-    kvh: usize,
-    d: usize,
-    scale: f32,
-}
-
-impl AttendHead<'_> {
-    #[inline(always)]
-    fn row(&self, slot: usize) -> std::ops::Range<usize> {
-        let s = (slot * self.hkv + self.kvh) * self.d;
-        s..s + self.d
-    }
 }
 
 /// `e^x` for x <= 0 (softmax after subtracting the max), within ~2 ulp: Cody-Waite range
@@ -835,11 +818,11 @@ const EXP_POLY: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_
 /// pairwise.
 /// None of it depends on how many rows or heads the call holds.
 #[inline(always)]
-fn attend_head(a: &AttendHead, scratch: &mut Scratch, o: &mut [f32]) {
-    let n = a.keys.len();
+fn attend_head(kv: &KvHead, q: &[f32], keys: &[usize], scratch: &mut Scratch, o: &mut [f32]) {
+    let n = keys.len();
     let Scratch { scores, chains, .. } = scratch;
     scores.clear();
-    scores.extend(a.keys.iter().map(|&j| dot_fixed(a.q, &a.k[a.row(j)]) * a.scale));
+    scores.extend(keys.iter().map(|&j| dot_fixed(q, &kv.k[kv.rows(j)]) * kv.scale));
     let max = scores.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
     let mut lanes = [0f32; LANES];
     for (jj, sc) in scores.iter_mut().enumerate() {
@@ -850,16 +833,16 @@ fn attend_head(a: &AttendHead, scratch: &mut Scratch, o: &mut [f32]) {
     // Key jj goes to chain jj % V_CHAINS: independent chains keep the FMA units busy, and the
     // assignment depends only on the key's place in this row's own list.
     chains.clear();
-    chains.resize(V_CHAINS * a.d, 0.0);
+    chains.resize(V_CHAINS * kv.d, 0.0);
     for jj in 0..n {
         let p = scores[jj];
-        let acc = &mut chains[(jj % V_CHAINS) * a.d..(jj % V_CHAINS + 1) * a.d];
-        for (o, &x) in acc.iter_mut().zip(&a.v[a.row(a.keys[jj])]) {
+        let acc = &mut chains[(jj % V_CHAINS) * kv.d..(jj % V_CHAINS + 1) * kv.d];
+        for (o, &x) in acc.iter_mut().zip(&kv.v[kv.rows(keys[jj])]) {
             *o = p.mul_add(x, *o);
         }
     }
     for (e, o) in o.iter_mut().enumerate() {
-        let c = |i: usize| chains[i * a.d + e];
+        let c = |i: usize| chains[i * kv.d + e];
         *o = ((c(0) + c(1)) + (c(2) + c(3))) * inv;
     }
 }
@@ -870,8 +853,8 @@ const V_CHAINS: usize = 4;
 /// The same code compiled with hardware FMA (identical results, as FMA is exactly rounded).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn attend_head_fma(a: &AttendHead, scores: &mut Scratch, o: &mut [f32]) {
-    attend_head(a, scores, o)
+unsafe fn attend_head_fma(kv: &KvHead, q: &[f32], keys: &[usize], scratch: &mut Scratch, o: &mut [f32]) {
+    attend_head(kv, q, keys, scratch, o)
 }
 
 /// AVX-512 attention for head sizes that are a multiple of 16: the same arithmetic as
@@ -959,8 +942,7 @@ mod attend512 {
             8 => group::<8>(kv, pairs, prefix, scratch),
             _ => {
                 for pr in pairs {
-                    let a = AttendHead { q: pr.q, k: kv.k, v: kv.v, keys: pr.keys, hkv: kv.hkv, kvh: kv.kvh, d: kv.d, scale: kv.scale };
-                    super::attend_head(&a, scratch, std::slice::from_raw_parts_mut(pr.out.0, kv.d));
+                    super::attend_head(kv, pr.q, pr.keys, scratch, std::slice::from_raw_parts_mut(pr.out.0, kv.d));
                 }
             }
         }
@@ -969,9 +951,8 @@ mod attend512 {
     /// One pair alone (the reference test's entry point).
     #[cfg(test)]
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn attend_head(a: &AttendHead, scratch: &mut Scratch, o: &mut [f32]) {
-        let kv = KvHead { k: a.k, v: a.v, hkv: a.hkv, kvh: a.kvh, d: a.d, scale: a.scale };
-        attend_group(&kv, &[Pair { q: a.q, keys: a.keys, out: OutPtr(o.as_mut_ptr()) }], 0, scratch)
+    pub unsafe fn attend_head(kv: &KvHead, q: &[f32], keys: &[usize], scratch: &mut Scratch, o: &mut [f32]) {
+        attend_group(kv, &[Pair { q, keys, out: OutPtr(o.as_mut_ptr()) }], 0, scratch)
     }
 
     /// Scores of one pair for the 16 keys whose K rows are `rows`: per key, one FMA chain over
@@ -1183,10 +1164,10 @@ mod tests {
         for n in [1, 15, 16, 17, 40, 70] {
             // Every other slot past 10 is masked, as a tree node skips its siblings.
             let keys: Vec<usize> = (0..slots).filter(|&j| j < 10 || j % 2 == 0).take(n).collect();
-            let a = AttendHead { q: &q, k: &k, v: &v, keys: &keys, hkv, kvh: 1, d, scale: 0.125 };
+            let kv = KvHead { k: &k, v: &v, hkv, kvh: 1, d, scale: 0.125 };
             let (mut s1, mut s2) = (Scratch::default(), Scratch::default());
             let mut want = vec![0f32; d];
-            attend_head(&a, &mut s1, &mut want);
+            attend_head(&kv, &q, &keys, &mut s1, &mut want);
             // Against f64 softmax attention.
             let sc: Vec<f64> = keys.iter().map(|&j| (0..d).map(|e| q[e] as f64 * k[(j * hkv + 1) * d + e] as f64).sum::<f64>() * 0.125).collect();
             let mx = sc.iter().cloned().fold(f64::MIN, f64::max);
@@ -1198,7 +1179,7 @@ mod tests {
             #[cfg(target_arch = "x86_64")]
             if isa() == Isa::Avx512 {
                 let mut got = vec![0f32; d];
-                unsafe { attend512::attend_head(&a, &mut s2, &mut got) };
+                unsafe { attend512::attend_head(&kv, &q, &keys, &mut s2, &mut got) };
                 assert_eq!(got, want, "AVX-512 attention differs from the reference for {n} keys");
             }
         }
@@ -1227,9 +1208,9 @@ mod tests {
                 let keys: Vec<usize> = (0..prefix).chain((0..t).filter(|&j| mask.sees(i, j)).map(|j| prefix + j)).collect();
                 for hh in 0..h {
                     let q0 = (i * h + hh) * d;
-                    let a = AttendHead { q: &q[q0..q0 + d], k: &k, v: &v, keys: &keys, hkv, kvh: hh / (h / hkv), d, scale: 0.125 };
+                    let kv = KvHead { k: &k, v: &v, hkv, kvh: hh / (h / hkv), d, scale: 0.125 };
                     let mut want = vec![0f32; d];
-                    attend_head(&a, &mut Scratch::default(), &mut want);
+                    attend_head(&kv, &q[q0..q0 + d], &keys, &mut Scratch::default(), &mut want);
                     assert_eq!(&got[q0..q0 + d], &want[..], "t={t} prefix={prefix} row {i} head {hh}");
                 }
             }
