@@ -505,7 +505,7 @@ fn quantize_acts(x: &[f32], m: usize, k: usize) -> QuantActs {
     let nb = k / QK;
     let mut a = QuantActs { q: vec![0; m * k], d: vec![0.0; m * nb], sum: vec![0; m * nb] };
     let simd = vnni();
-    let row = |((x, q), (d, sum)): ((&[f32], &mut [i8]), (&mut [f32], &mut [i32]))| {
+    let row = |x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [i32]| {
         #[cfg(target_arch = "x86_64")]
         if simd {
             unsafe { quantize_row_avx512(x, q, d, sum) };
@@ -520,9 +520,11 @@ fn quantize_acts(x: &[f32], m: usize, k: usize) -> QuantActs {
         x.par_chunks(k)
             .zip(a.q.par_chunks_mut(k))
             .zip(a.d.par_chunks_mut(nb).zip(a.sum.par_chunks_mut(nb)))
-            .for_each(row);
+            .for_each(|((x, q), (d, sum))| row(x, q, d, sum));
     } else {
-        x.chunks(k).zip(a.q.chunks_mut(k)).zip(a.d.chunks_mut(nb).zip(a.sum.chunks_mut(nb))).for_each(row);
+        for (((x, q), d), sum) in x.chunks(k).zip(a.q.chunks_mut(k)).zip(a.d.chunks_mut(nb)).zip(a.sum.chunks_mut(nb)) {
+            row(x, q, d, sum);
+        }
     }
     a
 }
