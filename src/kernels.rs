@@ -582,6 +582,11 @@ impl TreeMask {
     }
 }
 
+/// Row-wise elementwise passes (activation quantizing, SwiGLU) fork over threads from this many
+/// rows on; below it a fork costs more than the work. Rows are independent, so either way gives
+/// the same bits.
+pub(crate) const PAR_MIN_ROWS: usize = 4;
+
 /// `silu(g) * u` per row of `x = [g | u]`, the fused gate/up projection's output: one pass
 /// instead of candle's narrow, copy, silu (a libm `expf` call per value) and multiply, which
 /// together cost 3-4% of a forward. `silu(g) = g / (1 + e^-g)` with this module's `exp`, the
@@ -611,7 +616,7 @@ impl candle_core::CustomOp1 for SwiGlu {
             let _ = simd;
             swiglu_row(g, u, o);
         };
-        if t >= 4 {
+        if t >= PAR_MIN_ROWS {
             x.par_chunks(w).zip(out.par_chunks_mut(n)).for_each(row);
         } else {
             x.chunks(w).zip(out.chunks_mut(n)).for_each(row);

@@ -514,9 +514,7 @@ fn quantize_acts(x: &[f32], m: usize, k: usize) -> QuantActs {
         let _ = simd;
         quantize_row(x, q, d, sum);
     };
-    // Rows are independent, so spreading them over threads changes no bits; one row is too
-    // little work to be worth a fork.
-    if m >= 4 {
+    if m >= crate::kernels::PAR_MIN_ROWS {
         x.par_chunks(k)
             .zip(a.q.par_chunks_mut(k))
             .zip(a.d.par_chunks_mut(nb).zip(a.sum.par_chunks_mut(nb)))
