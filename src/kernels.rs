@@ -374,6 +374,12 @@ pub(crate) mod avx512_packed {
             _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
         }
     }
+    impl PanelElem for half::f16 {
+        #[inline(always)]
+        unsafe fn load16(p: *const half::f16) -> __m512 {
+            _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+        }
+    }
 
     /// `MR` activation rows x `NR` panels (16 columns each).
     #[inline(always)]
@@ -493,6 +499,22 @@ pub(crate) fn contiguous<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candl
     }
 }
 
+/// A head-major K or V (`[hkv, s, d]`) whose rows are contiguous within each head: its data
+/// from the first element on, and the distance between heads.
+fn head_major<'a, E>(data: &'a [E], l: &Layout, what: &str) -> candle_core::Result<(&'a [E], usize)> {
+    let (hkv, n, d) = l.shape().dims3()?;
+    let st = l.stride();
+    if (n > 1 && st[1] != d) || (d > 1 && st[2] != 1) || (hkv > 1 && st[0] < n * d) {
+        candle_core::bail!("{what}: rows of each head must be contiguous, got strides {st:?} for shape {:?}", l.shape())
+    }
+    let head_stride = if hkv > 1 { st[0] } else { n * d };
+    let end = l.start_offset() + (hkv - 1) * head_stride + n * d;
+    if end > data.len() {
+        candle_core::bail!("{what}: layout runs past its storage")
+    }
+    Ok((&data[l.start_offset()..end], head_stride))
+}
+
 /// candle op wrapping [`matmul_xwt`]: `x [.., k] x w[n, k]^T -> [.., n]`.
 pub struct RowMatmul;
 
@@ -583,9 +605,10 @@ impl TreeMask {
 }
 
 /// Row-wise elementwise passes (activation quantizing, SwiGLU) fork over threads from this many
-/// rows on; below it a fork costs more than the work. Rows are independent, so either way gives
-/// the same bits.
-pub(crate) const PAR_MIN_ROWS: usize = 4;
+/// values on. Below it a fork and join (tens of microseconds when the other thread has to be
+/// woken) costs more than the work: a 4-row verify forward forked 120 times for under 0.1 µs of
+/// work each, 2-3 ms of a 10 ms forward. Rows are independent, so either way gives the same bits.
+pub(crate) const PAR_MIN_VALUES: usize = 1 << 14;
 
 /// `silu(g) * u` per row of `x = [g | u]`, the fused gate/up projection's output: one pass
 /// instead of candle's narrow, copy, silu (a libm `expf` call per value) and multiply, which
@@ -616,7 +639,7 @@ impl candle_core::CustomOp1 for SwiGlu {
             let _ = simd;
             swiglu_row(g, u, o);
         };
-        if t >= PAR_MIN_ROWS {
+        if t * w >= PAR_MIN_VALUES {
             x.par_chunks(w).zip(out.par_chunks_mut(n)).for_each(row);
         } else {
             x.chunks(w).zip(out.chunks_mut(n)).for_each(row);
@@ -651,7 +674,8 @@ unsafe fn swiglu512(g: &[f32], u: &[f32], o: &mut [f32]) {
     }
 }
 
-/// Tree attention on the CPU: `q [t, h, d]`, `k, v [s, hkv, d]` with `s = prefix_len + t`.
+/// Tree attention on the CPU: `q [t, h, d]`, `k, v [hkv, s, d]` (head-major, as the KV cache
+/// holds them; a view whose heads lie apart is fine) with `s = prefix_len + t`.
 /// Keys are visited in slot order and masked keys are skipped, so a node's output is
 /// bit-identical to the one computed when its path is decoded one token at a time.
 pub struct TreeAttention {
@@ -674,11 +698,21 @@ impl CustomOp3 for TreeAttention {
         lv: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let q = contiguous(sq, lq, "attention q")?;
-        let k = contiguous(sk, lk, "attention k")?;
-        let v = contiguous(sv, lv, "attention v")?;
+        match (sk, sv) {
+            (CpuStorage::F32(k), CpuStorage::F32(v)) => self.run(q, lq, (k, lk), (v, lv)),
+            (CpuStorage::F16(k), CpuStorage::F16(v)) => self.run(q, lq, (k, lk), (v, lv)),
+            _ => candle_core::bail!("tree attention: K and V must both be f32 or both f16"),
+        }
+    }
+}
+
+impl TreeAttention {
+    fn run<E: KvElem>(&self, q: &[f32], lq: &Layout, (k, lk): (&[E], &Layout), (v, lv): (&[E], &Layout)) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (k, k_stride) = head_major(k, lk, "attention k")?;
+        let (v, v_stride) = head_major(v, lv, "attention v")?;
         let (t, h, d) = lq.shape().dims3()?;
-        let (s, hkv, d2) = lk.shape().dims3()?;
-        if d != d2 || lv.shape().dims3()? != (s, hkv, d) || s != self.prefix_len + t || t != self.mask.len() || h % hkv != 0 {
+        let (hkv, s, d2) = lk.shape().dims3()?;
+        if d != d2 || lv.shape().dims3()? != (hkv, s, d) || k_stride != v_stride || s != self.prefix_len + t || t != self.mask.len() || h % hkv != 0 {
             candle_core::bail!("tree attention: shapes q {:?} k {:?} v {:?} prefix {}", lq.shape(), lk.shape(), lv.shape(), self.prefix_len)
         }
         let group = h / hkv;
@@ -716,10 +750,10 @@ impl CustomOp3 for TreeAttention {
                         Pair { q: &q[q0..q0 + d], keys: &keys[bounds[i - r0]..bounds[i - r0 + 1]], out: outp.offset(q0) }
                     })
                     .collect();
-                let kv = KvHead { k, v, hkv, kvh: g, d, scale };
+                let kv = KvHead { k, v, head_stride: k_stride, kvh: g, d, scale };
                 match isa {
                     #[cfg(target_arch = "x86_64")]
-                    Isa::Avx512 if d % LANES == 0 && d <= attend512::MAX_D => unsafe { attend512::attend_group(&kv, &pairs, prefix, scratch) },
+                    Isa::Avx512 if d % LANES == 0 && d <= attend512::MAX_D => unsafe { E::attend_group512(&kv, &pairs, prefix, scratch) },
                     _ => {
                         for pr in &pairs {
                             let o = unsafe { std::slice::from_raw_parts_mut(pr.out.0, d) };
@@ -738,13 +772,49 @@ impl CustomOp3 for TreeAttention {
     }
 }
 
+/// Element type of the K/V cache: f32, or f16, which halves the bytes attention streams (at a
+/// 2k-token context the f32 cache is as large as the quantized weights). Converting f16 to f32
+/// is exact, so every path computes the same bits from the same cache.
+pub(crate) trait KvElem: Copy + Send + Sync + 'static {
+    fn to_f32(self) -> f32;
+    /// The AVX-512 group kernel for this element type.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn attend_group512(kv: &KvHead<Self>, pairs: &[Pair], prefix: usize, scratch: &mut Scratch);
+}
+
+impl KvElem for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn attend_group512(kv: &KvHead<f32>, pairs: &[Pair], prefix: usize, scratch: &mut Scratch) {
+        attend512::attend_group(kv, pairs, prefix, scratch)
+    }
+}
+
+impl KvElem for half::f16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn attend_group512(kv: &KvHead<half::f16>, pairs: &[Pair], prefix: usize, scratch: &mut Scratch) {
+        attend512::attend_group(kv, pairs, prefix, scratch)
+    }
+}
+
 /// Most (row, head) pairs in one attention task (bounds the per-task scratch).
 const MAX_PAIRS_PER_TASK: usize = 12;
 
 /// Per-thread buffers of the attention tasks.
 #[derive(Default)]
-struct Scratch {
+pub(crate) struct Scratch {
     scores: Vec<f32>,
+    /// One K or V row in f32, for the portable path.
+    row: Vec<f32>,
+    /// A block of f16 K or V rows widened to f32, shared by the pairs of an AVX-512 task.
+    widened: Vec<f32>,
     chains: Vec<f32>,
     /// Per pair of a task: running score maxima (16 lanes), output accumulators, 1 / softmax sum.
     maxv: Vec<f32>,
@@ -753,20 +823,21 @@ struct Scratch {
 }
 
 /// The K/V of one key-value head, for every pair of a task.
-struct KvHead<'a> {
-    k: &'a [f32],
-    v: &'a [f32],
-    hkv: usize,
+pub(crate) struct KvHead<'a, E> {
+    k: &'a [E],
+    v: &'a [E],
+    /// Values from one head's slot 0 to the next head's.
+    head_stride: usize,
     kvh: usize,
     d: usize,
     scale: f32,
 }
 
-impl KvHead<'_> {
+impl<E> KvHead<'_, E> {
     /// Where slot `slot`'s row of this head starts in `k` and `v`.
     #[inline(always)]
     fn row(&self, slot: usize) -> usize {
-        (slot * self.hkv + self.kvh) * self.d
+        self.kvh * self.head_stride + slot * self.d
     }
     #[inline(always)]
     fn rows(&self, slot: usize) -> std::ops::Range<usize> {
@@ -776,7 +847,7 @@ impl KvHead<'_> {
 
 /// One query head of one row: its query, the slots it sees (increasing; the first `prefix` are
 /// `0..prefix`), and where its output goes.
-struct Pair<'a> {
+pub(crate) struct Pair<'a> {
     q: &'a [f32],
     keys: &'a [usize],
     out: OutPtr,
@@ -824,11 +895,18 @@ const EXP_POLY: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_
 /// pairwise.
 /// None of it depends on how many rows or heads the call holds.
 #[inline(always)]
-fn attend_head(kv: &KvHead, q: &[f32], keys: &[usize], scratch: &mut Scratch, o: &mut [f32]) {
+fn attend_head<E: KvElem>(kv: &KvHead<E>, q: &[f32], keys: &[usize], scratch: &mut Scratch, o: &mut [f32]) {
     let n = keys.len();
-    let Scratch { scores, chains, .. } = scratch;
+    let Scratch { scores, chains, row, .. } = scratch;
+    let load = |row: &mut Vec<f32>, x: &[E]| {
+        row.clear();
+        row.extend(x.iter().map(|e| e.to_f32()));
+    };
     scores.clear();
-    scores.extend(keys.iter().map(|&j| dot_fixed(q, &kv.k[kv.rows(j)]) * kv.scale));
+    for &j in keys {
+        load(row, &kv.k[kv.rows(j)]);
+        scores.push(dot_fixed(q, row) * kv.scale);
+    }
     let max = scores.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
     let mut lanes = [0f32; LANES];
     for (jj, sc) in scores.iter_mut().enumerate() {
@@ -842,8 +920,9 @@ fn attend_head(kv: &KvHead, q: &[f32], keys: &[usize], scratch: &mut Scratch, o:
     chains.resize(V_CHAINS * kv.d, 0.0);
     for jj in 0..n {
         let p = scores[jj];
+        load(row, &kv.v[kv.rows(keys[jj])]);
         let acc = &mut chains[(jj % V_CHAINS) * kv.d..(jj % V_CHAINS + 1) * kv.d];
-        for (o, &x) in acc.iter_mut().zip(&kv.v[kv.rows(keys[jj])]) {
+        for (o, &x) in acc.iter_mut().zip(row.iter()) {
             *o = p.mul_add(x, *o);
         }
     }
@@ -859,7 +938,7 @@ const V_CHAINS: usize = 4;
 /// The same code compiled with hardware FMA (identical results, as FMA is exactly rounded).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn attend_head_fma(kv: &KvHead, q: &[f32], keys: &[usize], scratch: &mut Scratch, o: &mut [f32]) {
+unsafe fn attend_head_fma<E: KvElem>(kv: &KvHead<E>, q: &[f32], keys: &[usize], scratch: &mut Scratch, o: &mut [f32]) {
     attend_head(kv, q, keys, scratch, o)
 }
 
@@ -869,6 +948,7 @@ unsafe fn attend_head_fma(kv: &KvHead, q: &[f32], keys: &[usize], scratch: &mut 
 /// a vector exp, and the output accumulated in registers.
 #[cfg(target_arch = "x86_64")]
 mod attend512 {
+    use super::avx512_packed::PanelElem;
     use super::*;
     use std::arch::x86_64::*;
 
@@ -936,16 +1016,16 @@ mod attend512 {
 
     /// Dispatches on the head size so that the per-head vectors live in registers.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn attend_group(kv: &KvHead, pairs: &[Pair], prefix: usize, scratch: &mut Scratch) {
+    pub unsafe fn attend_group<E: KvElem + PanelElem>(kv: &KvHead<E>, pairs: &[Pair], prefix: usize, scratch: &mut Scratch) {
         match kv.d / LANES {
-            1 => group::<1>(kv, pairs, prefix, scratch),
-            2 => group::<2>(kv, pairs, prefix, scratch),
-            3 => group::<3>(kv, pairs, prefix, scratch),
-            4 => group::<4>(kv, pairs, prefix, scratch),
-            5 => group::<5>(kv, pairs, prefix, scratch),
-            6 => group::<6>(kv, pairs, prefix, scratch),
-            7 => group::<7>(kv, pairs, prefix, scratch),
-            8 => group::<8>(kv, pairs, prefix, scratch),
+            1 => group::<E, 1>(kv, pairs, prefix, scratch),
+            2 => group::<E, 2>(kv, pairs, prefix, scratch),
+            3 => group::<E, 3>(kv, pairs, prefix, scratch),
+            4 => group::<E, 4>(kv, pairs, prefix, scratch),
+            5 => group::<E, 5>(kv, pairs, prefix, scratch),
+            6 => group::<E, 6>(kv, pairs, prefix, scratch),
+            7 => group::<E, 7>(kv, pairs, prefix, scratch),
+            8 => group::<E, 8>(kv, pairs, prefix, scratch),
             _ => {
                 for pr in pairs {
                     super::attend_head(kv, pr.q, pr.keys, scratch, std::slice::from_raw_parts_mut(pr.out.0, kv.d));
@@ -957,19 +1037,19 @@ mod attend512 {
     /// One pair alone (the reference test's entry point).
     #[cfg(test)]
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn attend_head(kv: &KvHead, q: &[f32], keys: &[usize], scratch: &mut Scratch, o: &mut [f32]) {
+    pub unsafe fn attend_head<E: KvElem + PanelElem>(kv: &KvHead<E>, q: &[f32], keys: &[usize], scratch: &mut Scratch, o: &mut [f32]) {
         attend_group(kv, &[Pair { q, keys, out: OutPtr(o.as_mut_ptr()) }], 0, scratch)
     }
 
     /// Scores of one pair for the 16 keys whose K rows are `rows`: per key, one FMA chain over
     /// the head's 16-lane slices, then the transposing lane tree.
     #[inline(always)]
-    unsafe fn scores16<const C: usize>(q: *const f32, rows: &[*const f32; 16], scale: __m512) -> __m512 {
+    unsafe fn scores16<E: PanelElem, const C: usize>(q: *const f32, rows: &[*const E; 16], scale: __m512) -> __m512 {
         let mut acc = [_mm512_setzero_ps(); 16];
         for c in 0..C {
             let qc = _mm512_loadu_ps(q.add(c * LANES));
             for u in 0..16 {
-                acc[u] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(rows[u].add(c * LANES)), acc[u]);
+                acc[u] = _mm512_fmadd_ps(qc, E::load16(rows[u].add(c * LANES)), acc[u]);
             }
         }
         _mm512_mul_ps(reduce16(&acc), scale)
@@ -977,11 +1057,21 @@ mod attend512 {
 
     /// Keys `jj..jj + V_CHAINS` of one pair into its output chains (key jj + ch feeds chain ch).
     #[inline(always)]
-    unsafe fn values4<const C: usize>(acc: &mut [[__m512; C]; V_CHAINS], probs: *const f32, rows: [*const f32; V_CHAINS], live: usize) {
+    unsafe fn values4<E: PanelElem, const C: usize>(acc: &mut [[__m512; C]; V_CHAINS], probs: *const f32, rows: [*const E; V_CHAINS], live: usize) {
         for (ch, acc) in acc.iter_mut().enumerate().take(live) {
             let p = _mm512_set1_ps(*probs.add(ch));
             for (c, acc) in acc.iter_mut().enumerate() {
-                *acc = _mm512_fmadd_ps(p, _mm512_loadu_ps(rows[ch].add(c * LANES)), *acc);
+                *acc = _mm512_fmadd_ps(p, E::load16(rows[ch].add(c * LANES)), *acc);
+            }
+        }
+    }
+
+    /// Rows `first..first + count` of one head of `src` (K or V) into `dst` as f32.
+    #[inline(always)]
+    unsafe fn widen_rows<E: PanelElem, const C: usize>(kv: &KvHead<E>, src: *const E, first: usize, count: usize, dst: *mut f32) {
+        for r in 0..count {
+            for c in 0..C {
+                _mm512_storeu_ps(dst.add((r * C + c) * LANES), E::load16(src.add(kv.row(first + r) + c * LANES)));
             }
         }
     }
@@ -995,10 +1085,10 @@ mod attend512 {
     /// pair alone (the portable `attend_head`, bit for bit); only the order in which pairs visit
     /// the shared prefix's keys is interleaved, so those K/V rows are loaded from memory once.
     #[inline(always)]
-    unsafe fn group<const C: usize>(kv: &KvHead, pairs: &[Pair], prefix: usize, scratch: &mut Scratch) {
+    unsafe fn group<E: KvElem + PanelElem, const C: usize>(kv: &KvHead<E>, pairs: &[Pair], prefix: usize, scratch: &mut Scratch) {
         let np = pairs.len();
         let stride = pairs.iter().map(|p| p.keys.len()).max().unwrap_or(0).next_multiple_of(LANES);
-        let Scratch { scores, maxv, acc: accs, inv, .. } = scratch;
+        let Scratch { scores, maxv, acc: accs, inv, widened, .. } = scratch;
         scores.clear();
         scores.resize(np * stride, 0.0);
         maxv.clear();
@@ -1007,11 +1097,26 @@ mod attend512 {
         let scale = _mm512_set1_ps(kv.scale);
         // Scores, 16 keys at a time: first the blocks inside the shared prefix, for all pairs
         // while the 16 K rows are hot, then each pair's own remaining keys.
+        // With several pairs and an f16 cache, each block of rows is widened to f32 once (into
+        // L1-resident scratch) rather than once per pair; the widening is exact, so the bits
+        // are the same either way.
+        let widen = np > 1 && std::mem::size_of::<E>() != 4;
+        let wp = if widen {
+            widened.clear();
+            widened.resize(V_STEP.max(LANES) * C * LANES, 0.0);
+            widened.as_mut_ptr()
+        } else {
+            std::ptr::null_mut()
+        };
         let shared = (prefix / LANES) * LANES;
         for b in (0..shared).step_by(LANES) {
-            let rows: [*const f32; 16] = std::array::from_fn(|u| kp.add(kv.row(b + u)));
+            let rows: [*const E; 16] = std::array::from_fn(|u| kp.add(kv.row(b + u)));
+            let wide: [*const f32; 16] = std::array::from_fn(|u| wp.add(u * C * LANES) as *const f32);
+            if widen {
+                widen_rows::<E, C>(kv, kp, b, LANES, wp);
+            }
             for (pi, pr) in pairs.iter().enumerate() {
-                let s = scores16::<C>(pr.q.as_ptr(), &rows, scale);
+                let s = if widen { scores16::<f32, C>(pr.q.as_ptr(), &wide, scale) } else { scores16::<E, C>(pr.q.as_ptr(), &rows, scale) };
                 _mm512_storeu_ps(sp.add(pi * stride + b), s);
                 let mv = maxv.as_mut_ptr().add(pi * LANES);
                 _mm512_storeu_ps(mv, _mm512_max_ps(_mm512_loadu_ps(mv), s));
@@ -1029,7 +1134,7 @@ mod attend512 {
                 for u in 0..live {
                     rows[u] = kp.add(kv.row(pr.keys[b + u]));
                 }
-                let s = scores16::<C>(pr.q.as_ptr(), &rows, scale);
+                let s = scores16::<E, C>(pr.q.as_ptr(), &rows, scale);
                 let lm = tail_mask(live);
                 _mm512_mask_storeu_ps(spp.add(b), lm, s);
                 m = _mm512_mask_max_ps(m, lm, m, s);
@@ -1065,11 +1170,19 @@ mod attend512 {
         };
         let vshared = (prefix / V_STEP) * V_STEP;
         for j0 in (0..vshared).step_by(V_STEP) {
+            if widen {
+                widen_rows::<E, C>(kv, vp, j0, V_STEP, wp);
+            }
             for pi in 0..np {
                 let mut acc = unpark(pi);
                 for jj in (j0..j0 + V_STEP).step_by(V_CHAINS) {
-                    let rows: [*const f32; V_CHAINS] = std::array::from_fn(|ch| vp.add(kv.row(jj + ch)));
-                    values4::<C>(&mut acc, sp.add(pi * stride + jj), rows, V_CHAINS);
+                    if widen {
+                        let rows: [*const f32; V_CHAINS] = std::array::from_fn(|ch| wp.add((jj - j0 + ch) * C * LANES) as *const f32);
+                        values4::<f32, C>(&mut acc, sp.add(pi * stride + jj), rows, V_CHAINS);
+                    } else {
+                        let rows: [*const E; V_CHAINS] = std::array::from_fn(|ch| vp.add(kv.row(jj + ch)));
+                        values4::<E, C>(&mut acc, sp.add(pi * stride + jj), rows, V_CHAINS);
+                    }
                 }
                 park(pi, &acc);
             }
@@ -1080,8 +1193,8 @@ mod attend512 {
             let mut jj = vshared;
             while jj < n {
                 let live = (n - jj).min(V_CHAINS);
-                let rows: [*const f32; V_CHAINS] = std::array::from_fn(|ch| vp.add(kv.row(pr.keys[(jj + ch).min(n - 1)])));
-                values4::<C>(&mut acc, sp.add(pi * stride + jj), rows, live);
+                let rows: [*const E; V_CHAINS] = std::array::from_fn(|ch| vp.add(kv.row(pr.keys[(jj + ch).min(n - 1)])));
+                values4::<E, C>(&mut acc, sp.add(pi * stride + jj), rows, live);
                 jj += V_CHAINS;
             }
             let invv = _mm512_set1_ps(inv[pi]);
@@ -1170,16 +1283,16 @@ mod tests {
         for n in [1, 15, 16, 17, 40, 70] {
             // Every other slot past 10 is masked, as a tree node skips its siblings.
             let keys: Vec<usize> = (0..slots).filter(|&j| j < 10 || j % 2 == 0).take(n).collect();
-            let kv = KvHead { k: &k, v: &v, hkv, kvh: 1, d, scale: 0.125 };
+            let kv = KvHead { k: &k, v: &v, head_stride: slots * d, kvh: 1, d, scale: 0.125 };
             let (mut s1, mut s2) = (Scratch::default(), Scratch::default());
             let mut want = vec![0f32; d];
             attend_head(&kv, &q, &keys, &mut s1, &mut want);
             // Against f64 softmax attention.
-            let sc: Vec<f64> = keys.iter().map(|&j| (0..d).map(|e| q[e] as f64 * k[(j * hkv + 1) * d + e] as f64).sum::<f64>() * 0.125).collect();
+            let sc: Vec<f64> = keys.iter().map(|&j| (0..d).map(|e| q[e] as f64 * k[(slots + j) * d + e] as f64).sum::<f64>() * 0.125).collect();
             let mx = sc.iter().cloned().fold(f64::MIN, f64::max);
             let z: f64 = sc.iter().map(|s| (s - mx).exp()).sum();
             for e in 0..d {
-                let r: f64 = keys.iter().zip(&sc).map(|(&j, s)| (s - mx).exp() / z * v[(j * hkv + 1) * d + e] as f64).sum();
+                let r: f64 = keys.iter().zip(&sc).map(|(&j, s)| (s - mx).exp() / z * v[(slots + j) * d + e] as f64).sum();
                 assert!((r - want[e] as f64).abs() < 1e-5, "n={n} dim {e}: {r} vs {}", want[e]);
             }
             #[cfg(target_arch = "x86_64")]
@@ -1196,31 +1309,49 @@ mod tests {
     #[test]
     fn tree_attention_op_matches_one_pair_reference() {
         use candle_core::{Device, Tensor};
+        use half::f16;
         let (h, hkv, d) = (6, 2, 64);
         let parents = [None, Some(0), Some(0), Some(1), Some(1), Some(2), Some(3), Some(6), Some(0), Some(8), Some(9), Some(9), Some(4), Some(12), Some(13), Some(14), Some(15)];
         for (t, prefix) in [(1, 0), (1, 70), (3, 15), (5, 16), (17, 64), (17, 130), (12, 200)] {
             let mask = TreeMask::from_parents(&parents[..t]).unwrap();
             let s = prefix + t;
+            // K/V as the cache hands them over: a view of the first s slots of a larger buffer.
+            let cap = s + 5;
             let q = rand_vec(t * h * d, 11 + t as u64);
-            let k = rand_vec(s * hkv * d, 12 + prefix as u64);
-            let v = rand_vec(s * hkv * d, 13);
+            let k = rand_vec(hkv * cap * d, 12 + prefix as u64);
+            let v = rand_vec(hkv * cap * d, 13);
+            let (k16, v16): (Vec<f16>, Vec<f16>) = (k.iter().map(|&x| f16::from_f32(x)).collect(), v.iter().map(|&x| f16::from_f32(x)).collect());
             let dev = Device::Cpu;
             let op = TreeAttention { mask: std::sync::Arc::new(mask.clone()), prefix_len: prefix, scale: 0.125 };
             let qt = Tensor::from_vec(q.clone(), (t, h, d), &dev).unwrap();
-            let kt = Tensor::from_vec(k.clone(), (s, hkv, d), &dev).unwrap();
-            let vt = Tensor::from_vec(v.clone(), (s, hkv, d), &dev).unwrap();
-            let got: Vec<f32> = qt.apply_op3_no_bwd(&kt, &vt, &op).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            let view = |t: Tensor| t.reshape((hkv, cap, d)).unwrap().narrow(1, 0, s).unwrap();
+            let run = |k: Tensor, v: Tensor| -> Vec<f32> { qt.apply_op3_no_bwd(&view(k), &view(v), &op).unwrap().flatten_all().unwrap().to_vec1().unwrap() };
+            let got32 = run(Tensor::new(k.as_slice(), &dev).unwrap(), Tensor::new(v.as_slice(), &dev).unwrap());
+            let got16 = run(Tensor::new(k16.as_slice(), &dev).unwrap(), Tensor::new(v16.as_slice(), &dev).unwrap());
             for i in 0..t {
                 let keys: Vec<usize> = (0..prefix).chain((0..t).filter(|&j| mask.sees(i, j)).map(|j| prefix + j)).collect();
                 for hh in 0..h {
-                    let q0 = (i * h + hh) * d;
-                    let kv = KvHead { k: &k, v: &v, hkv, kvh: hh / (h / hkv), d, scale: 0.125 };
+                    let (q0, kvh) = ((i * h + hh) * d, hh / (h / hkv));
                     let mut want = vec![0f32; d];
+                    let kv = KvHead { k: &k, v: &v, head_stride: cap * d, kvh, d, scale: 0.125 };
                     attend_head(&kv, &q[q0..q0 + d], &keys, &mut Scratch::default(), &mut want);
-                    assert_eq!(&got[q0..q0 + d], &want[..], "t={t} prefix={prefix} row {i} head {hh}");
+                    assert_eq!(&got32[q0..q0 + d], &want[..], "f32 t={t} prefix={prefix} row {i} head {hh}");
+                    let kv = KvHead { k: &k16, v: &v16, head_stride: cap * d, kvh, d, scale: 0.125 };
+                    attend_head(&kv, &q[q0..q0 + d], &keys, &mut Scratch::default(), &mut want);
+                    assert_eq!(&got16[q0..q0 + d], &want[..], "f16 t={t} prefix={prefix} row {i} head {hh}");
                 }
             }
         }
+        // Mixed K/V types are refused, not misread.
+        let k = Tensor::zeros((1, 1, 16), candle_core::DType::F16, &dev_cpu()).unwrap();
+        let v = Tensor::zeros((1, 1, 16), candle_core::DType::F32, &dev_cpu()).unwrap();
+        let q = Tensor::zeros((1, 1, 16), candle_core::DType::F32, &dev_cpu()).unwrap();
+        let op = TreeAttention { mask: std::sync::Arc::new(TreeMask::causal(1)), prefix_len: 0, scale: 0.25 };
+        assert!(q.apply_op3_no_bwd(&k, &v, &op).is_err());
+    }
+
+    fn dev_cpu() -> candle_core::Device {
+        candle_core::Device::Cpu
     }
 
     /// The fused SwiGLU agrees with candle's `silu(g) * u` to a few ulp, over the whole range

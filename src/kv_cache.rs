@@ -8,7 +8,9 @@ use candle_core::{DType, Device, Tensor};
 use crate::{Error, Result};
 
 struct LayerKv {
-    /// `[capacity, kv_heads, head_dim]`; slots `>= len` are scratch.
+    /// `[kv_heads, capacity, head_dim]`, head-major so that attention streams each K/V head's
+    /// rows from one contiguous run (slot-major rows interleave the heads, and a head's reader
+    /// pulls in its neighbours' cache lines too); slots `>= len` are scratch.
     k: Tensor,
     v: Tensor,
 }
@@ -23,20 +25,26 @@ pub struct KvCache {
     kv_heads: usize,
     head_dim: usize,
     device: Device,
+    /// f16 halves the bytes attention streams (llama.cpp's default cache type); the tree and the
+    /// one-token forward read the same rounded values, so exactness is unaffected.
+    dtype: DType,
 }
 
 impl KvCache {
-    /// `max_len` is the model's context: the cache never grows past it.
-    pub fn new(num_layers: usize, kv_heads: usize, head_dim: usize, max_len: usize, device: &Device) -> Result<Self> {
+    /// `max_len` is the model's context: the cache never grows past it. `dtype`: F16 or F32.
+    pub fn new(num_layers: usize, kv_heads: usize, head_dim: usize, max_len: usize, dtype: DType, device: &Device) -> Result<Self> {
+        if !matches!(dtype, DType::F16 | DType::F32) {
+            return Err(Error::InvalidArgument(format!("a KV cache holds f16 or f32, not {dtype:?}")));
+        }
         let capacity = 256.min(max_len.max(1));
         let mut layers = Vec::with_capacity(num_layers);
         for _ in 0..num_layers {
             layers.push(LayerKv {
-                k: Tensor::zeros((capacity, kv_heads, head_dim), DType::F32, device)?,
-                v: Tensor::zeros((capacity, kv_heads, head_dim), DType::F32, device)?,
+                k: Tensor::zeros((kv_heads, capacity, head_dim), dtype, device)?,
+                v: Tensor::zeros((kv_heads, capacity, head_dim), dtype, device)?,
             });
         }
-        Ok(KvCache { layers, len: 0, pending: 0, capacity, max_len, kv_heads, head_dim, device: device.clone() })
+        Ok(KvCache { layers, len: 0, pending: 0, capacity, max_len, kv_heads, head_dim, device: device.clone(), dtype })
     }
 
     /// Committed tokens.
@@ -63,8 +71,8 @@ impl KvCache {
         let cap = (self.capacity * 2).max(needed).min(self.max_len);
         for l in self.layers.iter_mut() {
             for t in [&mut l.k, &mut l.v] {
-                let grown = Tensor::zeros((cap, self.kv_heads, self.head_dim), DType::F32, &self.device)?;
-                grown.slice_set(t, 0, 0)?;
+                let grown = Tensor::zeros((self.kv_heads, cap, self.head_dim), self.dtype, &self.device)?;
+                grown.slice_set(t, 1, 0)?;
                 *t = grown;
             }
         }
@@ -78,16 +86,17 @@ impl KvCache {
     }
 
     /// Write layer `layer`'s K/V for the `t` new tokens (`[t, kv_heads, head_dim]`) after the
-    /// committed prefix and return the K/V of prefix plus new tokens. The length moves only when
-    /// the whole forward is done (`append`).
+    /// committed prefix and return the K/V of prefix plus new tokens, head-major
+    /// (`[kv_heads, len + t, head_dim]`, a view into the cache, in the cache's dtype). The length
+    /// moves only when the whole forward is done (`append`).
     pub fn write(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let t = k.dim(0)?;
         self.ensure_capacity(self.len + t)?;
         let l = &self.layers[layer];
-        l.k.slice_set(&k.contiguous()?, 0, self.len)?;
-        l.v.slice_set(&v.contiguous()?, 0, self.len)?;
+        l.k.slice_set(&k.transpose(0, 1)?.to_dtype(self.dtype)?.contiguous()?, 1, self.len)?;
+        l.v.slice_set(&v.transpose(0, 1)?.to_dtype(self.dtype)?.contiguous()?, 1, self.len)?;
         self.pending = t;
-        Ok((l.k.narrow(0, 0, self.len + t)?, l.v.narrow(0, 0, self.len + t)?))
+        Ok((l.k.narrow(1, 0, self.len + t)?, l.v.narrow(1, 0, self.len + t)?))
     }
 
     /// Commit the `t` tokens the last forward wrote.
@@ -123,8 +132,8 @@ impl KvCache {
             let idx = Tensor::new(idx.as_slice(), &self.device)?;
             for l in self.layers.iter() {
                 for t in [&l.k, &l.v] {
-                    let rows = t.index_select(&idx, 0)?;
-                    t.slice_set(&rows, 0, start)?;
+                    let rows = t.index_select(&idx, 1)?;
+                    t.slice_set(&rows, 1, start)?;
                 }
             }
         }
@@ -138,10 +147,11 @@ impl KvCache {
         self.pending = 0;
     }
 
-    /// The committed K/V of one layer (`[len, kv_heads, head_dim]`), for tests and inspection.
+    /// The committed K/V of one layer (`[len, kv_heads, head_dim]`, f32), for tests and inspection.
     pub fn layer(&self, layer: usize) -> Result<(Tensor, Tensor)> {
         let l = &self.layers[layer];
-        Ok((l.k.narrow(0, 0, self.len)?, l.v.narrow(0, 0, self.len)?))
+        let committed = |t: &Tensor| -> Result<Tensor> { Ok(t.narrow(1, 0, self.len)?.transpose(0, 1)?.to_dtype(DType::F32)?.contiguous()?) };
+        Ok((committed(&l.k)?, committed(&l.v)?))
     }
 }
 
@@ -156,7 +166,7 @@ mod tests {
     #[test]
     fn append_compact_truncate_and_grow() {
         let dev = Device::Cpu;
-        let mut c = KvCache::new(1, 1, 1, 1000, &dev).unwrap();
+        let mut c = KvCache::new(1, 1, 1, 1000, DType::F16, &dev).unwrap();
         let k = Tensor::arange(0f32, 300f32, &dev).unwrap().reshape((300, 1, 1)).unwrap();
         c.write(0, &k, &k).unwrap();
         c.append(300).unwrap();
@@ -171,7 +181,7 @@ mod tests {
         assert_eq!(rows(&c), vec![0., 1., 2., 3., 4., 10., 12., 13.]);
         assert!(c.compact(5, &[7, 6]).is_err());
         assert!(c.compact(5, &[4]).is_err());
-        let mut small = KvCache::new(1, 1, 1, 3, &dev).unwrap();
+        let mut small = KvCache::new(1, 1, 1, 3, DType::F32, &dev).unwrap();
         assert!(small.reserve(4).is_err());
     }
 }

@@ -40,6 +40,10 @@ struct ModelArgs {
     /// Q8_0/Q4_0/Q4_1/Q4_K blocks, int8 arithmetic; other types as Q8_0). GPUs always use f32. [default: f32; bench: all]
     #[arg(long)]
     weights: Option<WeightFormat>,
+    /// KV cache element type: f16 (half the bytes for attention to read; the default on the
+    /// CPU) or f32 (exact K/V; the default on GPUs).
+    #[arg(long, value_parser = ["f16", "f32"])]
+    kv_cache: Option<String>,
 }
 
 #[derive(Args, Clone)]
@@ -284,7 +288,13 @@ fn load(m: &ModelArgs) -> Result<Target> {
     if weights != WeightFormat::F32 && !device.is_cpu() {
         bail!("--weights {weights} is a CPU format; on {} the model runs candle's f32 kernels", m.device);
     }
-    Ok(Target::load_with(&m.model, &device, weights)?)
+    let mut target = Target::load_with(&m.model, &device, weights)?;
+    match m.kv_cache.as_deref() {
+        Some("f32") => target.model.set_kv_dtype(candle_core::DType::F32)?,
+        Some(_) => target.model.set_kv_dtype(candle_core::DType::F16)?,
+        None => {}
+    }
+    Ok(target)
 }
 
 /// A progress bar on stderr, hidden when stderr is not a terminal.
@@ -685,8 +695,9 @@ fn run(cli: Cli) -> Result<()> {
                 if !json {
                     let floor = bytes as f64 / selfspec::bench::DRAM_BYTES_PER_S * 1e3;
                     println!(
-                        "weights {f}: {:.0} MB read per forward (floor at 26 GB/s: {floor:.1} ms); {context}-token context, {}",
+                        "weights {f}: {:.0} MB read per forward (floor at 26 GB/s: {floor:.1} ms); {context}-token context, {:?} KV cache, {}",
                         bytes as f64 / 1e6,
+                        target.model.kv_dtype(),
                         model.device
                     );
                     println!("{:>6} {:>10} {:>8}", "tokens", "median ms", "ratio");

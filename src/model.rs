@@ -252,6 +252,7 @@ pub struct Llama {
     cfg: Config,
     device: Device,
     format: WeightFormat,
+    kv_dtype: DType,
 }
 
 pub(crate) fn rope_tables(cfg: &Config, device: &Device) -> Result<(Tensor, Tensor)> {
@@ -317,7 +318,7 @@ impl Llama {
             Linear::load(d, cfg.vocab_size, false, vb.pp("lm_head"))?
         };
         let (cos, sin) = rope_tables(cfg, &device)?;
-        let mut model = Llama { embed, blocks, norm, lm_head, cos, sin, cfg: cfg.clone(), device, format: WeightFormat::F32 };
+        let mut model = Llama { embed, blocks, norm, lm_head, cos, sin, cfg: cfg.clone(), kv_dtype: default_kv_dtype(&device), device, format: WeightFormat::F32 };
         // Fuse q/k/v and gate/up for the CPU kernel from the start.
         model.set_weights(WeightFormat::F32, &NativeWeights::new())?;
         Ok(model)
@@ -383,6 +384,18 @@ impl Llama {
     pub fn weight_format(&self) -> WeightFormat {
         self.format
     }
+    /// The element type of the KV caches this model makes: f16 (the CPU default, half the bytes
+    /// for attention to stream) or f32 (exact K/V, the reference).
+    pub fn set_kv_dtype(&mut self, dtype: DType) -> Result<()> {
+        if !matches!(dtype, DType::F16 | DType::F32) {
+            return Err(Error::InvalidArgument(format!("a KV cache holds f16 or f32, not {dtype:?}")));
+        }
+        self.kv_dtype = dtype;
+        Ok(())
+    }
+    pub fn kv_dtype(&self) -> DType {
+        self.kv_dtype
+    }
     /// Bytes of projection weights read per forward: the memory-bound floor's numerator.
     pub fn weight_bytes_per_forward(&self) -> usize {
         let mut total = self.lm_head.bytes_per_call();
@@ -413,7 +426,7 @@ impl Llama {
     }
 
     pub fn new_cache(&self) -> Result<KvCache> {
-        KvCache::new(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, self.cfg.max_position, &self.device)
+        KvCache::new(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, self.cfg.max_position, self.kv_dtype, &self.device)
     }
 
     /// Run `tokens` (placed at `positions`, attending as `mask` says, after everything already in
@@ -553,15 +566,13 @@ impl Attention {
     }
 }
 
-/// The same attention with candle's ops, for CUDA/Metal and as a reference in tests.
+/// The same attention with candle's ops, for CUDA/Metal and as a reference in tests; `k`, `v`
+/// are head-major `[kv_heads, s, head_dim]`, as the KV cache holds them (any float dtype).
 pub fn attention_candle(q: &Tensor, k: &Tensor, v: &Tensor, mask: &TreeMask, prefix: usize, scale: f32) -> Result<Tensor> {
     let (t, nh, hd) = q.dims3()?;
-    let (s, nkv, _) = k.dims3()?;
+    let (nkv, s, _) = k.dims3()?;
     let group = nh / nkv;
-    let expand = |x: &Tensor| -> Result<Tensor> {
-        let x = x.transpose(0, 1)?; // [nkv, s, hd]
-        Ok(x.unsqueeze(1)?.expand((nkv, group, s, hd))?.reshape((nh, s, hd))?.contiguous()?)
-    };
+    let expand = |x: &Tensor| -> Result<Tensor> { Ok(x.to_dtype(q.dtype())?.unsqueeze(1)?.expand((nkv, group, s, hd))?.reshape((nh, s, hd))?.contiguous()?) };
     let (k, v) = (expand(k)?, expand(v)?);
     let q = q.transpose(0, 1)?.contiguous()?; // [nh, t, hd]
     let add = Tensor::from_vec(mask.additive(prefix), (t, s), q.device())?;
@@ -569,6 +580,16 @@ pub fn attention_candle(q: &Tensor, k: &Tensor, v: &Tensor, mask: &TreeMask, pre
     let p = candle_nn::ops::softmax_last_dim(&scores)?;
     let o = p.matmul(&v)?; // [nh, t, hd]
     Ok(o.transpose(0, 1)?.contiguous()?)
+}
+
+/// f16 on the CPU, where the attention kernel reads it directly; f32 on GPUs, whose candle
+/// attention would otherwise convert the whole cache at every layer.
+pub fn default_kv_dtype(device: &Device) -> DType {
+    if device.is_cpu() {
+        DType::F16
+    } else {
+        DType::F32
+    }
 }
 
 /// Argmax with the lowest index winning ties: the one tie-break plain and speculative decoding share.

@@ -514,7 +514,7 @@ fn quantize_acts(x: &[f32], m: usize, k: usize) -> QuantActs {
         let _ = simd;
         quantize_row(x, q, d, sum);
     };
-    if m >= crate::kernels::PAR_MIN_ROWS {
+    if m * k >= crate::kernels::PAR_MIN_VALUES {
         x.par_chunks(k)
             .zip(a.q.par_chunks_mut(k))
             .zip(a.d.par_chunks_mut(nb).zip(a.sum.par_chunks_mut(nb)))

@@ -50,7 +50,7 @@ fn training_forward_matches_inference_forward() {
     let mut cache = layer.new_cache().unwrap();
     let out = layer.forward(&feats, &toks[1..], &(0..n).collect::<Vec<_>>(), &TreeMask::causal(n), &mut cache, &t.model).unwrap();
     let d0 = max_diff(&to_vec(&out), &to_vec(&preds[0]));
-    assert!(d0 < 1e-4, "step 0 differs by {d0}");
+    assert!(d0 < 1e-3, "step 0 differs by {d0}");
     // Steps 1 and 2 = drafting a chain at inference from anchor a: the real pairs 0..=a in the
     // cache, then each predicted feature with the next true token.
     for a in [0usize, 5, 17] {
@@ -60,7 +60,9 @@ fn training_forward_matches_inference_forward() {
             f = layer.forward(&f, &[toks[a + s + 1]], &[a + s], &TreeMask::causal(1), &mut c, &t.model).unwrap();
             let want = preds[s].narrow(0, a, 1).unwrap();
             let d = max_diff(&to_vec(&f), &to_vec(&want));
-            assert!(d < 1e-4, "anchor {a}, step {s}: differs by {d}");
+            // The inference cache holds K/V in f16 (relative rounding 2^-11), the training
+            // forward keeps them in f32.
+            assert!(d < 1e-3, "anchor {a}, step {s}: differs by {d}");
         }
     }
 }
