@@ -1,6 +1,7 @@
 //! Time of the CPU tree-attention op alone for one layer's shapes (SmolLM2: 9 query heads,
-//! 3 K/V heads of 64), per K/V dtype, context length and tree size. Each call's K/V (a few MB) stays in
-//! cache, so this is the op's arithmetic and bookkeeping, not DRAM.
+//! 3 K/V heads of 64), per K/V dtype, context length and tree size. Each call's K/V (a few MB)
+//! stays in cache, so this is the op's arithmetic and bookkeeping, not DRAM; the fastest of
+//! 200 calls is reported, the least disturbed by other load on a shared machine.
 //! `cargo run --release --example attention_bench`
 use std::sync::Arc;
 use std::time::Instant;
@@ -26,10 +27,9 @@ fn main() -> anyhow::Result<()> {
                 times.push(t0.elapsed().as_secs_f64());
             }
             times.sort_by(|a, b| a.partial_cmp(b).unwrap());
-            // The fastest of many calls: the op's own cost, least disturbed by other load on the machine.
-            let med = times[0];
+            let best = times[0];
             let bytes = (2 * hkv * s * d * dtype.size_in_bytes()) as f64;
-            line += &format!("  T={t} {:.1} us ({:.1} GB/s of K/V)", med * 1e6, bytes / med / 1e9);
+            line += &format!("  T={t} {:.1} us ({:.1} GB/s of K/V)", best * 1e6, bytes / best / 1e9);
         }
         println!("{line}");
     }
