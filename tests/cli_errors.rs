@@ -121,6 +121,10 @@ fn bad_heads_and_trees() {
     let (code, out, err) = run(&["generate", "--model", m, "--prompt", "the", "--heads", hs, "--tree", "chain:2", "--max-tokens", "6", "--compare"]);
     assert_eq!(code, 0, "{err}");
     assert!(!out.is_empty() && err.contains("tau") && err.contains("bonus token counted") && err.contains("outputs identical"), "{err}");
+    // The default tree (auto+lookup:6) needs no flag: it times this device, then stays exact.
+    let (code, _, err) = run(&["generate", "--model", m, "--prompt", "the cat the cat the", "--heads", hs, "--max-tokens", "8", "--compare"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("outputs identical") && err.contains("tau"), "{err}");
 }
 
 /// `train --draft-layer` end to end through the CLI, then the layer drafts for `generate`,
