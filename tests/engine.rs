@@ -52,10 +52,14 @@ fn logits_match_candle_transformers_quantized_llama() {
 
 #[test]
 fn tree_forward_is_bit_identical_to_sequential_tiny() {
-    let (_, t) = tiny_gguf("tree", 5);
+    let (_, mut t) = tiny_gguf("tree", 5);
     let prompt: Vec<u32> = (0..12).map(|i| (i * 13 + 1) % 260).collect();
-    for seed in 1..4 {
-        check_tree_equivalence(&t.model, &prompt, 17, seed);
+    // Both KV cache types: f16 (the CPU default) and f32.
+    for dtype in [candle_core::DType::F16, candle_core::DType::F32] {
+        t.model.set_kv_dtype(dtype).unwrap();
+        for seed in 1..4 {
+            check_tree_equivalence(&t.model, &prompt, 17, seed);
+        }
     }
 }
 
