@@ -30,12 +30,19 @@ pub struct KvCache {
     dtype: DType,
 }
 
+/// The element types a cache can hold: f16 or f32.
+pub fn check_dtype(dtype: DType) -> Result<()> {
+    if matches!(dtype, DType::F16 | DType::F32) {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!("a KV cache holds f16 or f32, not {dtype:?}")))
+    }
+}
+
 impl KvCache {
     /// `max_len` is the model's context: the cache never grows past it. `dtype`: F16 or F32.
     pub fn new(num_layers: usize, kv_heads: usize, head_dim: usize, max_len: usize, dtype: DType, device: &Device) -> Result<Self> {
-        if !matches!(dtype, DType::F16 | DType::F32) {
-            return Err(Error::InvalidArgument(format!("a KV cache holds f16 or f32, not {dtype:?}")));
-        }
+        check_dtype(dtype)?;
         let capacity = 256.min(max_len.max(1));
         let mut layers = Vec::with_capacity(num_layers);
         for _ in 0..num_layers {
@@ -183,5 +190,6 @@ mod tests {
         assert!(c.compact(5, &[4]).is_err());
         let mut small = KvCache::new(1, 1, 1, 3, DType::F32, &dev).unwrap();
         assert!(small.reserve(4).is_err());
+        assert!(KvCache::new(1, 1, 1, 3, DType::BF16, &dev).is_err());
     }
 }

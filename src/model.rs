@@ -387,9 +387,7 @@ impl Llama {
     /// The element type of the KV caches this model makes: f16 (the CPU default, half the bytes
     /// for attention to stream) or f32 (exact K/V, the reference).
     pub fn set_kv_dtype(&mut self, dtype: DType) -> Result<()> {
-        if !matches!(dtype, DType::F16 | DType::F32) {
-            return Err(Error::InvalidArgument(format!("a KV cache holds f16 or f32, not {dtype:?}")));
-        }
+        crate::kv_cache::check_dtype(dtype)?;
         self.kv_dtype = dtype;
         Ok(())
     }
