@@ -606,8 +606,9 @@ impl TreeMask {
 
 /// Row-wise elementwise passes (activation quantizing, SwiGLU) fork over threads from this many
 /// values on. Below it a fork and join (tens of microseconds when the other thread has to be
-/// woken) costs more than the work: a 4-row verify forward forked 120 times for under 0.1 µs of
-/// work each, 2-3 ms of a 10 ms forward. Rows are independent, so either way gives the same bits.
+/// woken) costs more than the work: a 4-row verify forward forked about 120 times for under
+/// 0.1 µs of work each, and a 4-row call on a 3072 x 576 Q8_0 weight took 0.080 ms with those
+/// forks, 0.031 ms without. Rows are independent, so either way gives the same bits.
 pub(crate) const PAR_MIN_VALUES: usize = 1 << 14;
 
 /// `silu(g) * u` per row of `x = [g | u]`, the fused gate/up projection's output: one pass
