@@ -82,6 +82,13 @@ fn bad_arguments() {
     // A bad --weights is caught by the argument parser (clap adds its own "--help" hint line).
     let (code, _, err) = run(&["generate", "--model", m, "--prompt", "x", "--weights", "q5"]);
     assert!(code != 0 && err.contains("unknown weight format 'q5'") && !err.contains("panicked"), "{err}");
+    // KV cache types: f16 and f32 run, anything else is refused by name.
+    let (code, _, err) = run(&["generate", "--model", m, "--prompt", "x", "--kv-cache", "bf16"]);
+    assert!(code != 0 && err.contains("bf16") && err.contains("f16") && !err.contains("panicked"), "{err}");
+    for kv in ["f16", "f32"] {
+        let (code, out, err) = run(&["generate", "--model", m, "--prompt", "the cat", "--kv-cache", kv, "--max-tokens", "4"]);
+        assert!(code == 0 && !out.is_empty(), "--kv-cache {kv}: {err}");
+    }
     // And the happy path works on the same file, in every weight format: text on stdout,
     // summary on stderr.
     for w in ["f32", "f16", "q8_0", "native"] {
