@@ -211,7 +211,8 @@ pub fn chunk_documents(target: &Target, docs: &[Document], seq_len: usize, min_l
 }
 
 /// Where hidden states are cached on disk, keyed by the target's fingerprint (computed once,
-/// not per chunk: it hashes the whole tokenizer).
+/// not per chunk: it hashes the whole tokenizer) and by the numerics that produced them (weight
+/// format and KV cache type), so states from different numerics never mix in one run.
 pub struct HiddenCache {
     dir: std::path::PathBuf,
     target_key: String,
@@ -219,7 +220,9 @@ pub struct HiddenCache {
 
 impl HiddenCache {
     pub fn new(dir: &Path, target: &Target) -> Result<Self> {
-        Ok(HiddenCache { dir: dir.to_path_buf(), target_key: target.fingerprint()?.hash })
+        let m = &target.model;
+        let target_key = format!("{}:{}:{:?}", target.fingerprint()?.hash, m.weight_format().name(), m.kv_dtype());
+        Ok(HiddenCache { dir: dir.to_path_buf(), target_key })
     }
 
     fn file_for(&self, chunk: &[u32]) -> std::path::PathBuf {

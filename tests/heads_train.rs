@@ -38,17 +38,26 @@ fn weights(h: &Heads, dir: &std::path::Path) -> Vec<(String, Vec<f32>)> {
 
 #[test]
 fn loss_decreases_and_backbone_is_frozen() {
-    let (_, t) = tiny_gguf("train-loss", 21);
+    let (_, mut t) = tiny_gguf("train-loss", 21);
     let before: Vec<f32> = t.model.lm_head().weight().flatten_all().unwrap().to_vec1().unwrap();
     let toks = t.tokenizer.encode("the cat sat on the mat", false).unwrap();
     let h = selfspec::train::hidden_states(&t, &toks, None).unwrap();
     assert!(!h.track_op(), "backbone hidden states must carry no gradient graph");
     // The on-disk cache returns exactly what was computed.
-    let cache = selfspec::train::HiddenCache::new(&scratch("hidden-cache"), &t).unwrap();
+    let cache_dir = scratch("hidden-cache");
+    let cache = selfspec::train::HiddenCache::new(&cache_dir, &t).unwrap();
     let a: Vec<f32> = selfspec::train::hidden_states(&t, &toks, Some(&cache)).unwrap().flatten_all().unwrap().to_vec1().unwrap();
     let b: Vec<f32> = selfspec::train::hidden_states(&t, &toks, Some(&cache)).unwrap().flatten_all().unwrap().to_vec1().unwrap();
     assert_eq!(a, b);
     assert_eq!(a, h.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+    // States from other numerics (here an f32 KV cache) are kept apart, never served for these.
+    t.model.set_kv_dtype(candle_core::DType::F32).unwrap();
+    let cache32 = selfspec::train::HiddenCache::new(&cache_dir, &t).unwrap();
+    let c: Vec<f32> = selfspec::train::hidden_states(&t, &toks, Some(&cache32)).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    let fresh: Vec<f32> = selfspec::train::hidden_states(&t, &toks, None).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    assert_eq!(c, fresh);
+    assert_ne!(c, a, "f16 and f32 KV caches gave identical states, so this check proves nothing");
+    t.model.set_kv_dtype(candle_core::DType::F16).unwrap();
     for loss in [LossKind::Hard, LossKind::Soft] {
         let dir = scratch(&format!("train-loss-{loss:?}"));
         let cfg = TrainConfig { loss, ..quick_cfg() };
