@@ -83,6 +83,10 @@ impl SamplingArgs {
     }
 }
 
+/// The tree `generate` and `eval` use unless told otherwise, and what `tune` measures its pick
+/// against.
+const DEFAULT_TREE: &str = "auto+lookup:6";
+
 #[derive(Args, Clone)]
 struct SpecArgs {
     /// Draft heads directory (heads.json + heads.safetensors, or Medusa format): enables
@@ -93,7 +97,7 @@ struct SpecArgs {
     /// append +lookup[:N] to graft up to N tokens copied from the context (prompt lookup).
     /// The default, auto+lookup:6, was the fastest tree for both drafters and weight formats
     /// measured here; it times the forward once at start-up (under a second on this CPU).
-    #[arg(long, default_value = "auto+lookup:6")]
+    #[arg(long, default_value = DEFAULT_TREE)]
     tree: String,
     /// Medusa's typical acceptance. LOSSY: the output no longer follows the target's distribution.
     #[arg(long)]
@@ -222,7 +226,7 @@ enum Command {
         prompts: PathBuf,
         /// Trees to compare (repeatable): cpu, gpu, chain[:N], dynamic[:N], auto[:N], or a tree file, each
         /// optionally with +lookup[:N] (a branch copied from the context).
-        #[arg(long, default_values_t = vec!["auto+lookup:6".to_string()])]
+        #[arg(long, default_values_t = vec![DEFAULT_TREE.to_string()])]
         tree: Vec<String>,
         #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
         temperature: f32,
@@ -633,7 +637,7 @@ fn run(cli: Cli) -> Result<()> {
             eprintln!("wrote {} ({} nodes); checking it with and without +lookup on {} prompts...", out.display(), best.len(), check.len());
             // Short and long copied branches: extra nodes cost more with fast weights.
             let lookups = [None, Some(3), Some(6)];
-            let plans = lookups
+            let mut plans: Vec<(String, Plan)> = lookups
                 .iter()
                 .map(|n| {
                     let lookup = n.map(|max_tokens| selfspec::lookup::Lookup { max_tokens, ..Default::default() });
@@ -641,12 +645,20 @@ fn run(cli: Cli) -> Result<()> {
                     (name, Plan { tree: TreeChoice::Static(best.clone()), lookup })
                 })
                 .collect();
+            // The default tree, cut per step by this device's costs, for comparison: a static
+            // tree is worth keeping only if it beats it.
+            plans.push((DEFAULT_TREE.to_string(), Plan::parse(DEFAULT_TREE)?));
             let mut opts = EvalOptions { trees: plans, params: SamplingParams::greedy(), max_tokens, seed: 1, progress: &mut |_, _| {} };
             let report = evaluate(&target, &h, &check, &mut opts)?;
             for (name, s) in report.trees.iter().zip(&report.overall) {
                 println!("measured {name}: tau {:.2} tokens/forward (bonus counted), speed-up {:.2}x ({:.1} vs {:.1} tok/s)", s.tau, s.speedup, s.spec_tok_s_median, s.plain_tok_s_median);
             }
             let fastest = (0..lookups.len()).max_by(|&a, &b| report.overall[a].speedup.total_cmp(&report.overall[b].speedup)).unwrap_or(0);
+            if let Some(auto) = report.overall.get(lookups.len()) {
+                if auto.speedup > report.overall[fastest].speedup {
+                    println!("the default tree ({DEFAULT_TREE}, no tree file needed) measured faster than the tuned tree here");
+                }
+            }
             if let Some(n) = lookups[fastest] {
                 doc["lookup"] = serde_json::json!(n);
                 selfspec::error::write_atomic(&out, serde_json::to_string_pretty(&doc)?.as_bytes())?;

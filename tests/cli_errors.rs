@@ -157,9 +157,11 @@ fn draft_layer_through_the_cli() {
     assert_eq!(code, 0, "{err}");
     assert!(out_s.contains("draft layer guesses"), "{out_s}");
     let tree = dir.join("tree.json");
-    let (code, _, err) = run(&["tune", "--model", m, "--heads", os, "--prompts", prompts.to_str().unwrap(), "--out", tree.to_str().unwrap(), "--max-nodes", "4", "--max-tokens", "8"]);
+    let (code, tune_out, err) = run(&["tune", "--model", m, "--heads", os, "--prompts", prompts.to_str().unwrap(), "--out", tree.to_str().unwrap(), "--max-nodes", "4", "--max-tokens", "8"]);
     assert_eq!(code, 0, "{err}");
     assert!(tree.exists());
+    // Its pick is measured against the default tree in the same run.
+    assert!(tune_out.contains("measured auto+lookup:6: tau"), "{tune_out}");
     // The tuned file, with a lookup branch written into it or added by hand, drives `eval`.
     let ts = tree.to_str().unwrap();
     let plan = selfspec::spec::Plan::parse(&format!("{ts}+lookup:3")).unwrap();
