@@ -10,7 +10,7 @@ use crate::generate::{generate_plain, StopRule};
 use crate::drafter::Drafter;
 use crate::loader::Target;
 use crate::sampling::{rng, SamplingParams};
-use crate::spec::{generate_spec, Plan, SpecOptions, SpecStats};
+use crate::spec::{generate_spec, Plan, SpecOptions, SpecStats, StepTimes};
 use crate::tokenizer::Message;
 use crate::tree::Tree;
 use crate::verify::Rule;
@@ -50,6 +50,9 @@ pub struct Summary {
     pub copied_per_forward: f64,
     /// Greedy only: every output identical to plain decoding.
     pub all_identical: Option<bool>,
+    /// Where a step's time went, ms per target forward: drafting, the tree forward,
+    /// verification, commit (KV compaction and the drafter's own update).
+    pub step_ms: StepTimes,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -91,6 +94,10 @@ pub fn summarise(turns: &[&TurnResult], tree: usize) -> Summary {
         let st = &t.spec[tree];
         s.new_tokens += st.gen.new_tokens.saturating_sub(1);
         s.target_forwards += st.gen.target_forwards;
+        s.step_ms.draft += st.time.draft;
+        s.step_ms.forward += st.time.forward;
+        s.step_ms.verify += st.time.verify;
+        s.step_ms.commit += st.time.commit;
         nodes_total += st.tree_nodes_total;
         copied += st.lookup_accepted;
         if s.accept_hist.len() < st.accept_hist.len() {
@@ -119,6 +126,10 @@ pub fn summarise(turns: &[&TurnResult], tree: usize) -> Summary {
         }
     }
     s.tau = s.new_tokens as f64 / s.target_forwards.max(1) as f64;
+    let per_step = 1e3 / s.target_forwards.max(1) as f64;
+    for t in [&mut s.step_ms.draft, &mut s.step_ms.forward, &mut s.step_ms.verify, &mut s.step_ms.commit] {
+        *t *= per_step;
+    }
     s.spec_tok_s_median = median(turns.iter().map(|t| t.spec[tree].gen.decode_tok_s()).collect());
     s.plain_tok_s_median = median(turns.iter().map(|t| t.plain_tok_s).collect());
     s.speedup = s.spec_tok_s_median / s.plain_tok_s_median.max(1e-9);
@@ -273,6 +284,11 @@ pub fn to_markdown(r: &EvalReport) -> String {
             s.speedup,
             s.all_identical.map_or("n/a (sampling)".to_string(), |b| if b { "yes".into() } else { "NO".into() })
         ));
+    }
+    m.push_str("\n## Where a step's time went (ms per target forward)\n\n| tree | draft | tree forward | verify | commit |\n|---|---|---|---|---|\n");
+    for (name, s) in r.trees.iter().zip(&r.overall) {
+        let t = &s.step_ms;
+        m.push_str(&format!("| {name} | {:.2} | {:.2} | {:.2} | {:.2} |\n", t.draft, t.forward, t.verify, t.commit));
     }
     m.push_str("\n## Per category (first tree)\n\n| category | turns | τ | speed-up |\n|---|---|---|---|\n");
     for (c, v) in &r.per_category {

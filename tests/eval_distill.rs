@@ -47,10 +47,12 @@ fn eval_reports_tau_identity_and_files() {
         assert_eq!(s.head_top1.len(), 2);
         let steps: usize = s.accept_hist.iter().sum();
         assert_eq!(steps, s.target_forwards);
+        // Every step runs a tree forward; its time per step is a positive, finite number.
+        assert!(s.step_ms.forward > 0.0 && s.step_ms.forward.is_finite() && s.step_ms.draft >= 0.0, "{:?}", s.step_ms);
     }
     assert_eq!(r.overall[0].node_accept_rate.len(), 3);
     let md = to_markdown(&r);
-    assert!(md.contains("bonus token counted") && md.contains("| chain |"));
+    assert!(md.contains("bonus token counted") && md.contains("| chain |") && md.contains("Where a step's time went"));
     let svg = to_svg(&r);
     assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
     // Marking: drafted runs are bracketed, the rest is plain.
