@@ -16,6 +16,44 @@ use rayon::prelude::*;
 
 const LANES: usize = 16;
 
+/// An element type the kernels read as f32: f32 itself, or f16 (the `--weights f16` panels and
+/// the default KV cache, at half the bytes to stream). Widening f16 to f32 is exact, so the
+/// portable and SIMD paths compute the same bits from the same data.
+pub(crate) trait Elem: Copy + Send + Sync + 'static {
+    fn to_f32(self) -> f32;
+    /// 16 elements as 16 f32 lanes.
+    ///
+    /// # Safety
+    /// `p` must point at 16 readable elements, on a CPU with AVX-512F.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
+}
+
+impl Elem for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const f32) -> std::arch::x86_64::__m512 {
+        std::arch::x86_64::_mm512_loadu_ps(p)
+    }
+}
+
+impl Elem for half::f16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const half::f16) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+    }
+}
+
 /// Dot product with a fixed reduction order: 16 interleaved FMA chains, then a pairwise tree.
 #[inline(always)]
 fn dot_fixed(a: &[f32], b: &[f32]) -> f32 {
@@ -351,39 +389,12 @@ fn packed_block(x: &[f32], m: usize, pw: &PackedWeight, p0: usize, p1: usize, ou
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512_packed {
-    use super::{OutPtr, PackedWeight, PANEL};
+    use super::{Elem, OutPtr, PackedWeight, PANEL};
     use std::arch::x86_64::*;
-
-    /// A panel element type: 16 of them load as 16 f32 lanes (f32 as is, f16 converted), so
-    /// one kernel serves both formats.
-    pub(crate) trait PanelElem: Copy {
-        /// # Safety
-        /// `p` must point at 16 readable elements, on a CPU with AVX-512F.
-        unsafe fn load16(p: *const Self) -> __m512;
-    }
-    impl PanelElem for f32 {
-        #[inline(always)]
-        unsafe fn load16(p: *const f32) -> __m512 {
-            _mm512_loadu_ps(p)
-        }
-    }
-    /// f16 bits.
-    impl PanelElem for u16 {
-        #[inline(always)]
-        unsafe fn load16(p: *const u16) -> __m512 {
-            _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
-        }
-    }
-    impl PanelElem for half::f16 {
-        #[inline(always)]
-        unsafe fn load16(p: *const half::f16) -> __m512 {
-            _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
-        }
-    }
 
     /// `MR` activation rows x `NR` panels (16 columns each).
     #[inline(always)]
-    unsafe fn tile<E: PanelElem, const MR: usize, const NR: usize>(x: *const f32, k: usize, w: *const E, i0: usize, p0: usize, n: usize, out: OutPtr) {
+    unsafe fn tile<E: Elem, const MR: usize, const NR: usize>(x: *const f32, k: usize, w: *const E, i0: usize, p0: usize, n: usize, out: OutPtr) {
         let mut acc = [[_mm512_setzero_ps(); NR]; MR];
         let panel_len = k * PANEL;
         for kk in 0..k {
@@ -416,7 +427,7 @@ pub(crate) mod avx512_packed {
     }
 
     #[inline(always)]
-    unsafe fn panels<E: PanelElem, const NR: usize>(x: *const f32, m: usize, k: usize, w: *const E, p: usize, n: usize, out: OutPtr) {
+    unsafe fn panels<E: Elem, const NR: usize>(x: *const f32, m: usize, k: usize, w: *const E, p: usize, n: usize, out: OutPtr) {
         let mut i = 0;
         while i + 4 <= m {
             tile::<E, 4, NR>(x, k, w, i, p, n, out);
@@ -436,7 +447,7 @@ pub(crate) mod avx512_packed {
     /// AVX-512F must be present; `w` must hold `ceil(n/16) * k * 16` elements and `x` `m * k`.
     #[target_feature(enable = "avx512f")]
     #[allow(clippy::too_many_arguments)]
-    pub(crate) unsafe fn block_of<E: PanelElem>(x: &[f32], m: usize, k: usize, n: usize, w: *const E, p0: usize, p1: usize, out: OutPtr) {
+    pub(crate) unsafe fn block_of<E: Elem>(x: &[f32], m: usize, k: usize, n: usize, w: *const E, p0: usize, p1: usize, out: OutPtr) {
         let xp = x.as_ptr();
         let mut p = p0;
         while p + 4 <= p1 {
@@ -708,7 +719,7 @@ impl CustomOp3 for TreeAttention {
 }
 
 impl TreeAttention {
-    fn run<E: KvElem>(&self, q: &[f32], lq: &Layout, (k, lk): (&[E], &Layout), (v, lv): (&[E], &Layout)) -> candle_core::Result<(CpuStorage, Shape)> {
+    fn run<E: Elem>(&self, q: &[f32], lq: &Layout, (k, lk): (&[E], &Layout), (v, lv): (&[E], &Layout)) -> candle_core::Result<(CpuStorage, Shape)> {
         let (k, k_stride) = head_major(k, lk, "attention k")?;
         let (v, v_stride) = head_major(v, lv, "attention v")?;
         let (t, h, d) = lq.shape().dims3()?;
@@ -754,7 +765,7 @@ impl TreeAttention {
                 let kv = KvHead { k, v, head_stride: k_stride, kvh: g, d, scale };
                 match isa {
                     #[cfg(target_arch = "x86_64")]
-                    Isa::Avx512 if d % LANES == 0 && d <= attend512::MAX_D => unsafe { E::attend_group512(&kv, &pairs, prefix, scratch) },
+                    Isa::Avx512 if d % LANES == 0 && d <= attend512::MAX_D => unsafe { attend512::attend_group(&kv, &pairs, prefix, scratch) },
                     _ => {
                         for pr in &pairs {
                             let o = unsafe { std::slice::from_raw_parts_mut(pr.out.0, d) };
@@ -773,44 +784,12 @@ impl TreeAttention {
     }
 }
 
-/// Element type of the K/V cache: f32, or f16, which halves the bytes attention streams (at a
-/// 2k-token context the f32 cache is as large as the quantized weights). Converting f16 to f32
-/// is exact, so every path computes the same bits from the same cache.
-pub(crate) trait KvElem: Copy + Send + Sync + 'static {
-    fn to_f32(self) -> f32;
-    /// The AVX-512 group kernel for this element type.
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn attend_group512(kv: &KvHead<Self>, pairs: &[Pair], prefix: usize, scratch: &mut Scratch);
-}
-
-impl KvElem for f32 {
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        self
-    }
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn attend_group512(kv: &KvHead<f32>, pairs: &[Pair], prefix: usize, scratch: &mut Scratch) {
-        attend512::attend_group(kv, pairs, prefix, scratch)
-    }
-}
-
-impl KvElem for half::f16 {
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        half::f16::to_f32(self)
-    }
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn attend_group512(kv: &KvHead<half::f16>, pairs: &[Pair], prefix: usize, scratch: &mut Scratch) {
-        attend512::attend_group(kv, pairs, prefix, scratch)
-    }
-}
-
 /// Most (row, head) pairs in one attention task (bounds the per-task scratch).
 const MAX_PAIRS_PER_TASK: usize = 12;
 
 /// Per-thread buffers of the attention tasks.
 #[derive(Default)]
-pub(crate) struct Scratch {
+struct Scratch {
     scores: Vec<f32>,
     /// One K or V row in f32, for the portable path.
     row: Vec<f32>,
@@ -824,7 +803,7 @@ pub(crate) struct Scratch {
 }
 
 /// The K/V of one key-value head, for every pair of a task.
-pub(crate) struct KvHead<'a, E> {
+struct KvHead<'a, E> {
     k: &'a [E],
     v: &'a [E],
     /// Values from one head's slot 0 to the next head's.
@@ -848,7 +827,7 @@ impl<E> KvHead<'_, E> {
 
 /// One query head of one row: its query, the slots it sees (increasing; the first `prefix` are
 /// `0..prefix`), and where its output goes.
-pub(crate) struct Pair<'a> {
+struct Pair<'a> {
     q: &'a [f32],
     keys: &'a [usize],
     out: OutPtr,
@@ -896,7 +875,7 @@ const EXP_POLY: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_
 /// pairwise.
 /// None of it depends on how many rows or heads the call holds.
 #[inline(always)]
-fn attend_head<E: KvElem>(kv: &KvHead<E>, q: &[f32], keys: &[usize], scratch: &mut Scratch, o: &mut [f32]) {
+fn attend_head<E: Elem>(kv: &KvHead<E>, q: &[f32], keys: &[usize], scratch: &mut Scratch, o: &mut [f32]) {
     let n = keys.len();
     let Scratch { scores, chains, row, .. } = scratch;
     let load = |row: &mut Vec<f32>, x: &[E]| {
@@ -939,7 +918,7 @@ const V_CHAINS: usize = 4;
 /// The same code compiled with hardware FMA (identical results, as FMA is exactly rounded).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn attend_head_fma<E: KvElem>(kv: &KvHead<E>, q: &[f32], keys: &[usize], scratch: &mut Scratch, o: &mut [f32]) {
+unsafe fn attend_head_fma<E: Elem>(kv: &KvHead<E>, q: &[f32], keys: &[usize], scratch: &mut Scratch, o: &mut [f32]) {
     attend_head(kv, q, keys, scratch, o)
 }
 
@@ -949,7 +928,6 @@ unsafe fn attend_head_fma<E: KvElem>(kv: &KvHead<E>, q: &[f32], keys: &[usize], 
 /// a vector exp, and the output accumulated in registers.
 #[cfg(target_arch = "x86_64")]
 mod attend512 {
-    use super::avx512_packed::PanelElem;
     use super::*;
     use std::arch::x86_64::*;
 
@@ -1017,7 +995,7 @@ mod attend512 {
 
     /// Dispatches on the head size so that the per-head vectors live in registers.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn attend_group<E: KvElem + PanelElem>(kv: &KvHead<E>, pairs: &[Pair], prefix: usize, scratch: &mut Scratch) {
+    pub unsafe fn attend_group<E: Elem>(kv: &KvHead<E>, pairs: &[Pair], prefix: usize, scratch: &mut Scratch) {
         match kv.d / LANES {
             1 => group::<E, 1>(kv, pairs, prefix, scratch),
             2 => group::<E, 2>(kv, pairs, prefix, scratch),
@@ -1038,14 +1016,14 @@ mod attend512 {
     /// One pair alone (the reference test's entry point).
     #[cfg(test)]
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn attend_head<E: KvElem + PanelElem>(kv: &KvHead<E>, q: &[f32], keys: &[usize], scratch: &mut Scratch, o: &mut [f32]) {
+    pub unsafe fn attend_head<E: Elem>(kv: &KvHead<E>, q: &[f32], keys: &[usize], scratch: &mut Scratch, o: &mut [f32]) {
         attend_group(kv, &[Pair { q, keys, out: OutPtr(o.as_mut_ptr()) }], 0, scratch)
     }
 
     /// Scores of one pair for the 16 keys whose K rows are `rows`: per key, one FMA chain over
     /// the head's 16-lane slices, then the transposing lane tree.
     #[inline(always)]
-    unsafe fn scores16<E: PanelElem, const C: usize>(q: *const f32, rows: &[*const E; 16], scale: __m512) -> __m512 {
+    unsafe fn scores16<E: Elem, const C: usize>(q: *const f32, rows: &[*const E; 16], scale: __m512) -> __m512 {
         let mut acc = [_mm512_setzero_ps(); 16];
         for c in 0..C {
             let qc = _mm512_loadu_ps(q.add(c * LANES));
@@ -1058,7 +1036,7 @@ mod attend512 {
 
     /// Keys `jj..jj + V_CHAINS` of one pair into its output chains (key jj + ch feeds chain ch).
     #[inline(always)]
-    unsafe fn values4<E: PanelElem, const C: usize>(acc: &mut [[__m512; C]; V_CHAINS], probs: *const f32, rows: [*const E; V_CHAINS], live: usize) {
+    unsafe fn values4<E: Elem, const C: usize>(acc: &mut [[__m512; C]; V_CHAINS], probs: *const f32, rows: [*const E; V_CHAINS], live: usize) {
         for (ch, acc) in acc.iter_mut().enumerate().take(live) {
             let p = _mm512_set1_ps(*probs.add(ch));
             for (c, acc) in acc.iter_mut().enumerate() {
@@ -1069,7 +1047,7 @@ mod attend512 {
 
     /// Rows `first..first + count` of one head of `src` (K or V) into `dst` as f32.
     #[inline(always)]
-    unsafe fn widen_rows<E: PanelElem, const C: usize>(kv: &KvHead<E>, src: *const E, first: usize, count: usize, dst: *mut f32) {
+    unsafe fn widen_rows<E: Elem, const C: usize>(kv: &KvHead<E>, src: *const E, first: usize, count: usize, dst: *mut f32) {
         for r in 0..count {
             for c in 0..C {
                 _mm512_storeu_ps(dst.add((r * C + c) * LANES), E::load16(src.add(kv.row(first + r) + c * LANES)));
@@ -1086,7 +1064,7 @@ mod attend512 {
     /// pair alone (the portable `attend_head`, bit for bit); only the order in which pairs visit
     /// the shared prefix's keys is interleaved, so those K/V rows are loaded from memory once.
     #[inline(always)]
-    unsafe fn group<E: KvElem + PanelElem, const C: usize>(kv: &KvHead<E>, pairs: &[Pair], prefix: usize, scratch: &mut Scratch) {
+    unsafe fn group<E: Elem, const C: usize>(kv: &KvHead<E>, pairs: &[Pair], prefix: usize, scratch: &mut Scratch) {
         let np = pairs.len();
         let stride = pairs.iter().map(|p| p.keys.len()).max().unwrap_or(0).next_multiple_of(LANES);
         let Scratch { scores, maxv, acc: accs, inv, widened, .. } = scratch;

@@ -274,20 +274,20 @@ impl QuantRows {
 pub struct PackedF16 {
     k: usize,
     n: usize,
-    data: Vec<u16>,
+    data: Vec<f16>,
 }
 
 impl PackedF16 {
     pub fn pack(w: &[f32], n: usize, k: usize) -> Self {
         assert_eq!(w.len(), n * k);
         let panels = n.div_ceil(PANEL);
-        let mut data = vec![0u16; panels * k * PANEL];
+        let mut data = vec![f16::ZERO; panels * k * PANEL];
         data.par_chunks_mut(k * PANEL).enumerate().for_each(|(p, panel)| {
             for c in 0..PANEL {
                 let j = p * PANEL + c;
                 if j < n {
                     for kk in 0..k {
-                        panel[kk * PANEL + c] = f16::from_f32(w[j * k + kk]).to_bits();
+                        panel[kk * PANEL + c] = f16::from_f32(w[j * k + kk]);
                     }
                 }
             }
@@ -470,7 +470,7 @@ fn f16_block(x: &[f32], m: usize, w: &PackedF16, p0: usize, p1: usize, out: OutP
             let mut acc = [0f32; PANEL];
             for kk in 0..k {
                 for c in 0..PANEL {
-                    acc[c] = xr[kk].mul_add(f16::from_bits(panel[kk * PANEL + c]).to_f32(), acc[c]);
+                    acc[c] = xr[kk].mul_add(panel[kk * PANEL + c].to_f32(), acc[c]);
                 }
             }
             for (c, a) in acc.iter().enumerate() {
