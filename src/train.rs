@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use candle_core::{Tensor, Var, D};
+use candle_core::{DType, Tensor, Var, D};
 use candle_nn::VarMap;
 use rand::seq::SliceRandom;
 use serde::{Deserialize, Serialize};
@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 use crate::data::Document;
 use crate::heads::{Heads, HeadsConfig};
 use crate::loader::Target;
+use crate::quant::WeightFormat;
 use crate::{Error, Result};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -221,7 +222,15 @@ pub struct HiddenCache {
 impl HiddenCache {
     pub fn new(dir: &Path, target: &Target) -> Result<Self> {
         let m = &target.model;
-        let target_key = format!("{}:{}:{:?}", target.fingerprint()?.hash, m.weight_format().name(), m.kv_dtype());
+        let hash = target.fingerprint()?.hash;
+        // Caches written before this key carried the numerics were all f32 weights with an f32 KV
+        // cache; that combination keeps their names, so those states (an hour of compute for the
+        // committed recipe's corpus) stay valid.
+        let target_key = if m.weight_format() == WeightFormat::F32 && m.kv_dtype() == DType::F32 {
+            hash
+        } else {
+            format!("{hash}:{}:{:?}", m.weight_format().name(), m.kv_dtype())
+        };
         Ok(HiddenCache { dir: dir.to_path_buf(), target_key })
     }
 
