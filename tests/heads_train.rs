@@ -57,6 +57,19 @@ fn loss_decreases_and_backbone_is_frozen() {
     let fresh: Vec<f32> = selfspec::train::hidden_states(&t, &toks, None).unwrap().flatten_all().unwrap().to_vec1().unwrap();
     assert_eq!(c, fresh);
     assert_ne!(c, a, "f16 and f32 KV caches gave identical states, so this check proves nothing");
+    // f32 weights with an f32 KV cache keep the file names caches had before the key carried the
+    // numerics (sha256 of the tokens and the target's hash), so older caches stay valid.
+    let legacy = {
+        use sha2::Digest;
+        let mut h = sha2::Sha256::new();
+        for tok in &toks {
+            h.update(tok.to_le_bytes());
+        }
+        h.update(t.fingerprint().unwrap().hash.as_bytes());
+        let name: String = h.finalize().iter().take(12).map(|b| format!("{b:02x}")).collect();
+        cache_dir.join(format!("{name}.safetensors"))
+    };
+    assert!(legacy.exists(), "f32/f32 states were not written under their pre-key name {}", legacy.display());
     t.model.set_kv_dtype(candle_core::DType::F16).unwrap();
     for loss in [LossKind::Hard, LossKind::Soft] {
         let dir = scratch(&format!("train-loss-{loss:?}"));
