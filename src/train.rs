@@ -212,8 +212,9 @@ pub fn chunk_documents(target: &Target, docs: &[Document], seq_len: usize, min_l
 }
 
 /// Where hidden states are cached on disk, keyed by the target's fingerprint (computed once,
-/// not per chunk: it hashes the whole tokenizer) and by the numerics that produced them (weight
-/// format and KV cache type), so states from different numerics never mix in one run.
+/// not per chunk: it hashes the whole tokenizer) and by the numerics that produced them, so
+/// states from different numerics never mix in one run. The reference numerics (f32 weights, f32
+/// KV cache) go unmarked; every other weight format and KV type is tagged in the key.
 pub struct HiddenCache {
     dir: std::path::PathBuf,
     target_key: String,
@@ -223,9 +224,8 @@ impl HiddenCache {
     pub fn new(dir: &Path, target: &Target) -> Result<Self> {
         let m = &target.model;
         let hash = target.fingerprint()?.hash;
-        // Caches written before this key carried the numerics were all f32 weights with an f32 KV
-        // cache; that combination keeps their names, so those states (an hour of compute for the
-        // committed recipe's corpus) stay valid.
+        // Unmarked reference numerics also keep the names of caches written before the key
+        // carried numerics at all (they were all f32/f32), so those states stay valid.
         let target_key = if m.weight_format() == WeightFormat::F32 && m.kv_dtype() == DType::F32 {
             hash
         } else {
