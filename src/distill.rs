@@ -4,9 +4,12 @@ use std::io::Write;
 use std::path::Path;
 
 use crate::data::{DistillRecord, PromptItem};
-use crate::generate::{generate_plain, StopRule};
+use crate::generate::{check_budget, generate_plain, prefill, StopRule};
+use crate::kernels::TreeMask;
+use crate::kv_cache::KvCache;
+use crate::model::{rows_to_vec, BatchEntry};
 use crate::loader::Target;
-use crate::sampling::{rng, SamplingParams};
+use crate::sampling::{rng, Rng64, SamplingParams};
 use crate::tokenizer::Message;
 use crate::{Error, Result};
 
@@ -43,6 +46,120 @@ pub fn answer(target: &Target, item: &PromptItem, params: &SamplingParams, max_t
         messages.push(Message { role: "assistant".into(), content: target.tokenizer.decode(&out)? });
     }
     Ok(DistillRecord { id: item.id.clone(), messages, new_tokens: total })
+}
+
+/// One conversation in flight inside [`answer_batch`].
+struct Slot<'a> {
+    item: &'a PromptItem,
+    turn: usize,
+    messages: Vec<Message>,
+    total: usize,
+    rng: Rng64,
+    cache: KvCache,
+    /// Prompt of this turn plus the tokens answered so far (penalties read it).
+    history: Vec<u32>,
+    out: Vec<u32>,
+    budget: usize,
+    /// The target's logits for the next token.
+    logits: Vec<f32>,
+}
+
+impl<'a> Slot<'a> {
+    /// Start turn `turn` of `item`: render the conversation so far and prefill it alone, as
+    /// [`generate_plain`] does.
+    fn start_turn(target: &Target, item: &'a PromptItem, turn: usize, messages: Vec<Message>, total: usize, rng: Rng64, max_tokens: usize) -> Result<Self> {
+        let mut messages = messages;
+        messages.push(Message { role: "user".into(), content: item.turns[turn].clone() });
+        let ids = target.tokenizer.encode(&target.chat_prompt(&messages)?, false)?;
+        let budget = check_budget(ids.len(), max_tokens, target.model.config().max_position)?;
+        let (cache, logits, _) = prefill(&target.model, &ids)?;
+        Ok(Slot { item, turn, messages, total, rng, cache, history: ids, out: Vec::new(), budget, logits })
+    }
+}
+
+/// [`answer`] for many prompts at once: up to `batch` conversations decode side by side, one
+/// token each per [`Llama::forward_batch`] call, so each weight is read once per step for all of
+/// them (on a memory-bound CPU, 8 rows cost about twice one). Every conversation gets exactly
+/// the tokens [`answer`] gives it with the same seed: the batched forward computes each row with
+/// the same bits, and each conversation keeps its own sampler state. `seeds[i]` belongs to
+/// `items[i]`; `on_done` receives each record as soon as its last turn ends (so in completion
+/// order, not prompt order).
+pub fn answer_batch(
+    target: &Target,
+    items: &[PromptItem],
+    seeds: &[u64],
+    params: &SamplingParams,
+    max_tokens: usize,
+    batch: usize,
+    on_done: &mut dyn FnMut(DistillRecord) -> Result<()>,
+) -> Result<()> {
+    params.validate()?;
+    if batch == 0 {
+        return Err(Error::InvalidArgument("the batch size must be at least 1".into()));
+    }
+    if seeds.len() != items.len() {
+        return Err(Error::InvalidArgument(format!("{} prompts but {} seeds", items.len(), seeds.len())));
+    }
+    let model = &target.model;
+    let max_pos = model.config().max_position;
+    let mut queue = items.iter().zip(seeds).filter(|(i, _)| !i.turns.is_empty());
+    let mut slots: Vec<Slot> = Vec::with_capacity(batch);
+    loop {
+        while slots.len() < batch {
+            match queue.next() {
+                Some((item, &seed)) => slots.push(Slot::start_turn(target, item, 0, Vec::new(), 0, rng(seed), max_tokens)?),
+                None => break,
+            }
+        }
+        if slots.is_empty() {
+            return Ok(());
+        }
+        // Each conversation picks its next token; the ones that stop leave the step.
+        let mut i = 0;
+        while i < slots.len() {
+            let s = &mut slots[i];
+            let tok = params.choose(&s.logits, &s.history, &mut s.rng);
+            s.out.push(tok);
+            s.history.push(tok);
+            if !(target.tokenizer.eos_ids.contains(&tok) || s.out.len() >= s.budget || s.cache.len() + 1 >= max_pos) {
+                i += 1;
+                continue;
+            }
+            let s = slots.swap_remove(i);
+            let Slot { item, turn, mut messages, total, rng, mut out, .. } = s;
+            let total = total + out.len();
+            if out.last().is_some_and(|t| target.tokenizer.is_eos(*t)) {
+                out.pop();
+            }
+            messages.push(Message { role: "assistant".into(), content: target.tokenizer.decode(&out)? });
+            if turn + 1 < item.turns.len() {
+                // The next turn's prefill gives the logits for its first token: it takes slot i
+                // and chooses in this same pass.
+                slots.push(Slot::start_turn(target, item, turn + 1, messages, total, rng, max_tokens)?);
+                let last = slots.len() - 1;
+                slots.swap(i, last);
+                continue;
+            }
+            on_done(DistillRecord { id: item.id.clone(), messages, new_tokens: total })?;
+        }
+        if slots.is_empty() {
+            continue;
+        }
+        // Every conversation still going feeds the token it just chose.
+        let toks: Vec<[u32; 1]> = slots.iter().map(|s| [*s.out.last().expect("chose this pass")]).collect();
+        let pos: Vec<[usize; 1]> = slots.iter().map(|s| [s.cache.len()]).collect();
+        let mask = TreeMask::causal(1);
+        let mut entries: Vec<BatchEntry> = slots
+            .iter_mut()
+            .zip(toks.iter().zip(&pos))
+            .map(|(s, (t, p))| BatchEntry { tokens: t, positions: p, mask: &mask, cache: &mut s.cache })
+            .collect();
+        let hidden = model.forward_batch(&mut entries)?;
+        let logits = rows_to_vec(&model.logits(&hidden)?)?;
+        for (s, row) in slots.iter_mut().zip(logits) {
+            s.logits = row;
+        }
+    }
 }
 
 fn ends_with_newline(path: &Path) -> Result<bool> {

@@ -162,8 +162,14 @@ enum Command {
         max_tokens: usize,
         #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
         temperature: f32,
+        /// Prompt i samples with seed + i (its line in the prompt file), so a resumed run
+        /// answers exactly as an uninterrupted one.
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// Conversations decoded side by side, one token each per forward: each weight is read
+        /// once per step for all of them. Answers are the same at any batch size.
+        #[arg(long, default_value_t = 8)]
+        batch: usize,
     },
     /// Train draft heads on a corpus with the backbone frozen.
     Train {
@@ -465,7 +471,7 @@ fn run(cli: Cli) -> Result<()> {
                 }
             }
         }
-        Command::Distill { model, prompts, out, max_tokens, temperature, seed } => {
+        Command::Distill { model, prompts, out, max_tokens, temperature, seed, batch } => {
             let params = SamplingParams { temperature, ..Default::default() };
             params.validate()?;
             if max_tokens == 0 {
@@ -474,17 +480,18 @@ fn run(cli: Cli) -> Result<()> {
             let items = selfspec::data::read_prompts(&prompts)?;
             let target = load(&model)?;
             let done = selfspec::distill::done_ids(&out)?;
-            let todo: Vec<_> = items.iter().filter(|i| !done.contains(&i.id)).collect();
+            let (todo, seeds): (Vec<_>, Vec<u64>) =
+                items.iter().enumerate().filter(|(_, i)| !done.contains(&i.id)).map(|(n, i)| (i.clone(), seed.wrapping_add(n as u64))).unzip();
             let bar = progress(todo.len() as u64, "distill");
             let t0 = std::time::Instant::now();
             let mut tokens = 0usize;
-            for (n, item) in todo.iter().enumerate() {
-                let rec = selfspec::distill::answer(&target, item, &params, max_tokens, seed.wrapping_add(n as u64))?;
+            selfspec::distill::answer_batch(&target, &todo, &seeds, &params, max_tokens, batch, &mut |rec| {
                 tokens += rec.new_tokens;
                 selfspec::distill::append_record(&out, &rec)?;
                 bar.set_message(format!("{:.1} tok/s", tokens as f64 / t0.elapsed().as_secs_f64()));
                 bar.inc(1);
-            }
+                Ok(())
+            })?;
             bar.finish_and_clear();
             eprintln!(
                 "distill: {} answered now, {} already done, {} tokens in {:.0}s ({:.1} tok/s) -> {}",

@@ -242,6 +242,30 @@ struct Block {
     mlp: Mlp,
 }
 
+/// One sequence of a [`Llama::forward_batch`] call.
+pub struct BatchEntry<'a> {
+    pub tokens: &'a [u32],
+    pub positions: &'a [usize],
+    pub mask: &'a TreeMask,
+    pub cache: &'a mut KvCache,
+}
+
+/// A sequence inside the blocks: where its rows come from and which cache they extend.
+struct Segment<'a> {
+    positions: &'a [usize],
+    mask: &'a TreeMask,
+    cache: &'a mut KvCache,
+}
+
+/// Rows `start..start + len` of a batched forward attend over their own cache (`prefix` slots
+/// committed before this forward) under `mask`.
+struct AttnSpan {
+    start: usize,
+    len: usize,
+    prefix: usize,
+    mask: Arc<TreeMask>,
+}
+
 pub struct Llama {
     embed: Embedding,
     blocks: Vec<Block>,
@@ -474,24 +498,36 @@ impl Llama {
         self.run_blocks(x.clone(), positions, mask, cache)
     }
 
-    fn run_blocks(&self, mut x: Tensor, positions: &[usize], mask: &TreeMask, cache: &mut KvCache) -> Result<Tensor> {
-        let t = positions.len();
-        if let Some(&bad) = positions.iter().find(|&&p| p >= self.cfg.max_position) {
-            return Err(Error::InvalidArgument(format!(
-                "position {bad} is past the model's context of {} tokens",
-                self.cfg.max_position
-            )));
+    fn run_blocks(&self, x: Tensor, positions: &[usize], mask: &TreeMask, cache: &mut KvCache) -> Result<Tensor> {
+        self.run_blocks_multi(x, &mut [Segment { positions, mask, cache }])
+    }
+
+    /// Run several independent sequences' new tokens through the blocks in one pass, `x` holding
+    /// their rows one sequence after another. Every matmul sees all rows at once, so each weight
+    /// is read once for the whole batch; attention stays per sequence, over that sequence's own
+    /// cache. The kernels are batch-invariant, so each row's result is the same bits as in a
+    /// forward of its sequence alone.
+    fn run_blocks_multi(&self, mut x: Tensor, segs: &mut [Segment]) -> Result<Tensor> {
+        let mut all_pos = Vec::new();
+        let mut spans = Vec::with_capacity(segs.len());
+        for s in segs.iter_mut() {
+            if let Some(&bad) = s.positions.iter().find(|&&p| p >= self.cfg.max_position) {
+                return Err(Error::InvalidArgument(format!(
+                    "position {bad} is past the model's context of {} tokens",
+                    self.cfg.max_position
+                )));
+            }
+            s.cache.reserve(s.positions.len())?;
+            spans.push(AttnSpan { start: all_pos.len(), len: s.positions.len(), prefix: s.cache.len(), mask: Arc::new(s.mask.clone()) });
+            all_pos.extend(s.positions.iter().map(|&p| p as u32));
         }
-        cache.reserve(t)?;
-        let prefix = cache.len();
-        let pos: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
-        let pos = Tensor::new(pos.as_slice(), &self.device)?;
+        let pos = Tensor::new(all_pos.as_slice(), &self.device)?;
         let cos = self.cos.index_select(&pos, 0)?;
         let sin = self.sin.index_select(&pos, 0)?;
-        let mask = Arc::new(mask.clone());
+        let mut caches: Vec<&mut KvCache> = segs.iter_mut().map(|s| &mut *s.cache).collect();
         for (i, b) in self.blocks.iter().enumerate() {
             let h = b.attn_norm.forward(&x)?;
-            let a = b.attn.forward(&h, &cos, &sin, &mask, prefix, cache, i)?;
+            let a = b.attn.forward(&h, &cos, &sin, &spans, &mut caches, i)?;
             x = (x + a)?;
             let h = b.mlp_norm.forward(&x)?;
             let act = match &b.mlp.gate_up {
@@ -501,8 +537,45 @@ impl Llama {
             let m = b.mlp.down.forward(&act)?;
             x = (x + m)?;
         }
-        cache.append(t)?;
+        for (c, sp) in caches.iter_mut().zip(&spans) {
+            c.append(sp.len)?;
+        }
         Ok(self.norm.forward(&x)?)
+    }
+
+    /// One forward over several independent sequences (batched decoding): each entry's `tokens`
+    /// run after its own `cache`, at its `positions`, under its `mask`, exactly as
+    /// [`Llama::forward`] would run them alone. Returns the final-norm hidden states of all
+    /// entries' tokens, one entry after another (`[sum of T, hidden]`).
+    pub fn forward_batch(&self, batch: &mut [BatchEntry]) -> Result<Tensor> {
+        if self.device.is_cpu() && rayon::current_thread_index().is_none() {
+            return rayon::scope(|_| self.forward_batch_inner(batch));
+        }
+        self.forward_batch_inner(batch)
+    }
+
+    fn forward_batch_inner(&self, batch: &mut [BatchEntry]) -> Result<Tensor> {
+        if batch.is_empty() {
+            return Err(Error::InvalidArgument("forward_batch: no sequences".into()));
+        }
+        let mut ids = Vec::new();
+        for (n, e) in batch.iter().enumerate() {
+            let t = e.tokens.len();
+            if t == 0 || e.positions.len() != t || e.mask.len() != t {
+                return Err(Error::InvalidArgument(format!(
+                    "forward_batch: sequence {n} has {t} tokens, {} positions, mask for {}",
+                    e.positions.len(),
+                    e.mask.len()
+                )));
+            }
+            if let Some(&bad) = e.tokens.iter().find(|&&x| x as usize >= self.cfg.vocab_size) {
+                return Err(Error::InvalidArgument(format!("token id {bad} is outside the vocabulary ({})", self.cfg.vocab_size)));
+            }
+            ids.extend_from_slice(e.tokens);
+        }
+        let x = self.embed.forward(&Tensor::new(ids.as_slice(), &self.device)?)?;
+        let mut segs: Vec<Segment> = batch.iter_mut().map(|e| Segment { positions: e.positions, mask: e.mask, cache: &mut *e.cache }).collect();
+        self.run_blocks_multi(x, &mut segs)
     }
 
     /// Token embeddings `[T, d]` (token-aware heads read the root token's).
@@ -527,17 +600,7 @@ impl Llama {
 }
 
 impl Attention {
-    #[allow(clippy::too_many_arguments)]
-    fn forward(
-        &self,
-        x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        mask: &Arc<TreeMask>,
-        prefix: usize,
-        cache: &mut KvCache,
-        layer: usize,
-    ) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, spans: &[AttnSpan], caches: &mut [&mut KvCache], layer: usize) -> Result<Tensor> {
         let t = x.dim(0)?;
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let (q, k, v) = match &self.qkv {
@@ -552,14 +615,23 @@ impl Attention {
         let v = v.reshape((t, nkv, hd))?;
         let q = candle_nn::rotary_emb::rope_thd(&q, cos, sin)?.squeeze(0)?;
         let k = candle_nn::rotary_emb::rope_thd(&k, cos, sin)?.squeeze(0)?;
-        let (k_all, v_all) = cache.write(layer, &k, &v)?;
         let scale = 1.0 / (hd as f32).sqrt();
-        let out = if x.device().is_cpu() {
-            let op = TreeAttention { mask: mask.clone(), prefix_len: prefix, scale };
-            q.apply_op3_no_bwd(&k_all, &v_all, &op)?
-        } else {
-            attention_candle(&q, &k_all, &v_all, mask, prefix, scale)?
-        };
+        let mut outs = Vec::with_capacity(spans.len());
+        for (sp, cache) in spans.iter().zip(caches.iter_mut()) {
+            let (q, k, v) = if spans.len() == 1 {
+                (q.clone(), k.clone(), v.clone())
+            } else {
+                (q.narrow(0, sp.start, sp.len)?, k.narrow(0, sp.start, sp.len)?, v.narrow(0, sp.start, sp.len)?)
+            };
+            let (k_all, v_all) = cache.write(layer, &k, &v)?;
+            outs.push(if x.device().is_cpu() {
+                let op = TreeAttention { mask: sp.mask.clone(), prefix_len: sp.prefix, scale };
+                q.contiguous()?.apply_op3_no_bwd(&k_all, &v_all, &op)?
+            } else {
+                attention_candle(&q, &k_all, &v_all, &sp.mask, sp.prefix, scale)?
+            });
+        }
+        let out = if outs.len() == 1 { outs.pop().expect("one") } else { Tensor::cat(&outs, 0)? };
         self.o.forward(&out.reshape((t, nh * hd))?)
     }
 }

@@ -3,7 +3,7 @@ mod common;
 
 use common::*;
 use selfspec::data::{read_prompts, PromptItem};
-use selfspec::distill::{answer, append_record, done_ids};
+use selfspec::distill::{answer, answer_batch, append_record, done_ids};
 use selfspec::eval::{evaluate, mark_drafted, to_markdown, to_svg, EvalOptions};
 use selfspec::sampling::SamplingParams;
 use selfspec::spec::{Plan, TreeChoice};
@@ -86,4 +86,34 @@ fn distill_appends_and_resumes() {
     let p = dir.join("p.txt");
     std::fs::write(&p, "one\ntwo\n").unwrap();
     assert_eq!(read_prompts(&p).unwrap().len(), 2);
+}
+
+/// Batched distillation answers every prompt exactly as answering it alone does (greedy and
+/// sampled, one- and two-turn prompts), at any batch size.
+#[test]
+fn batched_distill_matches_one_prompt_at_a_time() {
+    let (_, t) = tiny_gguf("distill-batch", 33);
+    let items: Vec<PromptItem> = (0..5)
+        .map(|i| PromptItem {
+            id: format!("p{i}"),
+            category: "c".into(),
+            turns: if i % 2 == 0 { vec![format!("the {i} cat"), "and".into()] } else { vec![format!("once {i}")] },
+        })
+        .collect();
+    let seeds: Vec<u64> = (0..5).map(|i| 40 + i).collect();
+    for params in [SamplingParams::greedy(), SamplingParams { temperature: 1.0, ..Default::default() }] {
+        let alone: Vec<_> = items.iter().zip(&seeds).map(|(it, &s)| answer(&t, it, &params, 9, s).unwrap()).collect();
+        for batch in [1, 3, 8] {
+            let mut got = Vec::new();
+            answer_batch(&t, &items, &seeds, &params, 9, batch, &mut |r| {
+                got.push(r);
+                Ok(())
+            })
+            .unwrap();
+            got.sort_by(|a, b| a.id.cmp(&b.id));
+            assert_eq!(got, alone, "batch {batch}, temperature {}", params.temperature);
+        }
+    }
+    assert!(answer_batch(&t, &items, &seeds[..2], &SamplingParams::greedy(), 9, 2, &mut |_| Ok(())).is_err());
+    assert!(answer_batch(&t, &items, &seeds, &SamplingParams::greedy(), 9, 0, &mut |_| Ok(())).is_err());
 }
