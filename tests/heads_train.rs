@@ -36,6 +36,22 @@ fn weights(h: &Heads, dir: &std::path::Path) -> Vec<(String, Vec<f32>)> {
     v
 }
 
+/// A chunk longer than the row kernel's limit is run in pieces; its states are then exactly what
+/// decoding the chunk one token at a time computes (the row kernel and attention are
+/// batch-invariant), so the drafters train on decoding's own numerics.
+#[test]
+fn chunk_states_equal_token_by_token_decoding() {
+    let (_, t) = tiny_gguf("train-pieces", 22);
+    let toks: Vec<u32> = (0..150).map(|i| (i * 41 + 9) % 260).collect();
+    let h: Vec<f32> = selfspec::train::hidden_states(&t, &toks, None).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    let mut cache = t.model.new_cache().unwrap();
+    let mut seq = Vec::new();
+    for &x in &toks {
+        seq.extend(t.model.forward_causal(&[x], &mut cache).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap());
+    }
+    assert_eq!(h, seq);
+}
+
 #[test]
 fn loss_decreases_and_backbone_is_frozen() {
     let (_, mut t) = tiny_gguf("train-loss", 21);
