@@ -658,6 +658,9 @@ mod avx512_quant {
     use super::{OutPtr, PackedQuant, QuantActs, QK};
     use std::arch::x86_64::*;
 
+    /// How far ahead (in blocks of one panel) the weight stream is prefetched.
+    const PREFETCH_BLOCKS: usize = 6;
+
     /// `MR` rows x `NR` panels; 8-bit or 4-bit codes.
     #[inline(always)]
     unsafe fn tile<const MR: usize, const NR: usize, const B4: bool, const OFS: bool>(a: &QuantActs, w: &PackedQuant, i0: usize, p0: usize, out: OutPtr) {
@@ -675,8 +678,17 @@ mod avx512_quant {
             let mut blk = [base; NR];
             for (jj, blk) in blk.iter_mut().enumerate() {
                 *blk = base.add(((p0 + jj) * nb + b) * stride);
-                // The next block of this panel: start its fetch while this one computes.
-                _mm_prefetch::<_MM_HINT_T0>(blk.add(stride * 2) as *const i8);
+                // Fetch every cache line of this panel's block PREFETCH_BLOCKS ahead while this
+                // one computes. The panels are short streams (18-48 blocks of 5-9 lines), too short
+                // for the hardware prefetcher to run far ahead; prefetching only a block's first
+                // line, as this did before, left 4 of Q4_1's 5 lines to demand misses. Whole
+                // blocks made 4-token calls ~11% faster on SmolLM2 Q4_1 (interleaved A/B, 6 rounds).
+                let ahead = blk.wrapping_add(stride * PREFETCH_BLOCKS);
+                let mut o = 0;
+                while o < stride {
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(o) as *const i8);
+                    o += 64;
+                }
             }
             // Short row tiles use two integer accumulators per output (exact, so splitting
             // changes no bits) for enough independent chains to hide vpdpbusd's latency; four-row
