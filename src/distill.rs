@@ -78,7 +78,7 @@ impl<'a> Slot<'a> {
 }
 
 /// [`answer`] for many prompts at once: up to `batch` conversations decode side by side, one
-/// token each per [`Llama::forward_batch`] call, so each weight is read once per step for all of
+/// token each per [`crate::model::Llama::forward_batch`] call, so each weight is read once per step for all of
 /// them (on a memory-bound CPU, 8 rows cost about twice one). Every conversation gets exactly
 /// the tokens [`answer`] gives it with the same seed: the batched forward computes each row with
 /// the same bits, and each conversation keeps its own sampler state. `seeds[i]` belongs to

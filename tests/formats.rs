@@ -129,6 +129,13 @@ fn batched_forward_matches_each_sequence_alone_in_every_format() {
             assert_eq!(c.0.len(), p.len() + if c.1.len() == 1 { 1 } else { 3 }, "{f}: each cache committed its own tokens");
         }
     }
+    // Bad batches are refused, not run: none at all, or positions that do not match the tokens.
+    assert!(t.model.forward_batch(&mut []).is_err());
+    let mut c = t.model.new_cache().unwrap();
+    let mask = TreeMask::causal(1);
+    let err = t.model.forward_batch(&mut [BatchEntry { tokens: &[1, 2], positions: &[0], mask: &mask, cache: &mut c }]).unwrap_err();
+    assert!(err.to_string().contains("sequence 0"), "{err}");
+    assert_eq!(c.len(), 0, "a refused batch commits nothing");
 }
 
 #[test]
