@@ -71,7 +71,9 @@ impl<'a> Slot<'a> {
         let mut messages = messages;
         messages.push(Message { role: "user".into(), content: item.turns[turn].clone() });
         let ids = target.tokenizer.encode(&target.chat_prompt(&messages)?, false)?;
-        let budget = check_budget(ids.len(), max_tokens, target.model.config().max_position)?;
+        // Many prompts are in flight at once, so say which one does not fit.
+        let budget = check_budget(ids.len(), max_tokens, target.model.config().max_position)
+            .map_err(|e| Error::InvalidArgument(format!("prompt {:?}, turn {}: {e}", item.id, turn + 1)))?;
         let (cache, logits, _) = prefill(&target.model, &ids)?;
         Ok(Slot { item, turn, messages, total, rng, cache, history: ids, out: Vec::new(), budget, logits })
     }

@@ -116,4 +116,15 @@ fn batched_distill_matches_one_prompt_at_a_time() {
     }
     assert!(answer_batch(&t, &items, &seeds[..2], &SamplingParams::greedy(), 9, 2, &mut |_| Ok(())).is_err());
     assert!(answer_batch(&t, &items, &seeds, &SamplingParams::greedy(), 9, 0, &mut |_| Ok(())).is_err());
+    // A prompt past the context is refused by name; the records finished before it were handed out.
+    let mut long = items.clone();
+    long[3].turns = vec!["the cat ".repeat(400)];
+    let mut done = Vec::new();
+    let err = answer_batch(&t, &long, &seeds, &SamplingParams::greedy(), 9, 1, &mut |r| {
+        done.push(r.id);
+        Ok(())
+    })
+    .unwrap_err();
+    assert!(err.to_string().contains("prompt \"p3\"") && err.to_string().contains("context"), "{err}");
+    assert_eq!(done, ["p0", "p1", "p2"]);
 }
