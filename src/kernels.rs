@@ -304,11 +304,11 @@ pub fn matmul_xwt(x: &[f32], m: usize, k: usize, w: &[f32], n: usize) -> Vec<f32
     let mut out = vec![0f32; m * n];
     let ptr = OutPtr(out.as_mut_ptr());
     // Blocks of columns large enough to amortise task overhead, small enough to balance 2+ cores.
-    let block = (n / (rayon::current_num_threads() * 8)).clamp(16, 512) / 4 * 4;
+    let block = (n / (crate::team::threads() * 8)).clamp(16, 512) / 4 * 4;
     let block = block.max(4);
     let nblocks = n.div_ceil(block);
     let isa = isa();
-    (0..nblocks).into_par_iter().for_each(|b| {
+    crate::team::run(nblocks, &|b| {
         let n0 = b * block;
         let n1 = (n0 + block).min(n);
         let ptr = ptr;
@@ -481,10 +481,10 @@ pub fn matmul_packed(x: &[f32], m: usize, pw: &PackedWeight) -> Vec<f32> {
     let ptr = OutPtr(out.as_mut_ptr());
     let panels = n.div_ceil(PANEL);
     // Groups of 4 panels (64 columns); enough tasks to balance the cores.
-    let per_task = (panels / (rayon::current_num_threads() * 8)).clamp(4, 32) / 4 * 4;
+    let per_task = (panels / (crate::team::threads() * 8)).clamp(4, 32) / 4 * 4;
     let tasks = panels.div_ceil(per_task);
     let isa = isa();
-    (0..tasks).into_par_iter().for_each(|t| {
+    crate::team::run(tasks, &|t| {
         let p0 = t * per_task;
         let p1 = (p0 + per_task).min(panels);
         let ptr = ptr;
@@ -652,7 +652,9 @@ impl candle_core::CustomOp1 for SwiGlu {
             swiglu_row(g, u, o);
         };
         if t * w >= PAR_MIN_VALUES {
-            x.par_chunks(w).zip(out.par_chunks_mut(n)).for_each(row);
+            let o = OutPtr(out.as_mut_ptr());
+            // SAFETY: task i writes only row i of `out`, which outlives the call.
+            crate::team::run(t, &|i| row((&x[i * w..(i + 1) * w], unsafe { std::slice::from_raw_parts_mut(o.offset(i * n).0, n) })));
         } else {
             x.chunks(w).zip(out.chunks_mut(n)).for_each(row);
         }
@@ -738,13 +740,16 @@ impl TreeAttention {
         // K/V rows of the common prefix are fetched once per task and used by every pair while
         // in L1. Runs are short enough for about four tasks per thread (a single decoded token
         // still gets nine one-pair tasks, which spread evenly over 2-16 cores).
-        let per_task = (t * h / (rayon::current_num_threads() * 4)).clamp(1, MAX_PAIRS_PER_TASK);
+        let per_task = (t * h / (crate::team::threads() * 4)).clamp(1, MAX_PAIRS_PER_TASK);
         let tasks: Vec<(usize, usize, usize)> = (0..hkv)
             .flat_map(|g| (0..t * group).step_by(per_task).map(move |s| (g, s, (t * group - s).min(per_task))))
             .collect();
-        tasks.par_iter().for_each_init(
-            || (Scratch::default(), Vec::<usize>::new()),
-            |(scratch, keys), &(g, first, count)| {
+        thread_local! {
+            static SCRATCH: std::cell::RefCell<(Scratch, Vec<usize>)> = Default::default();
+        }
+        crate::team::run(tasks.len(), &|task| {
+            let (g, first, count) = tasks[task];
+            SCRATCH.with_borrow_mut(|(scratch, keys)| {
                 // Key lists of the task's rows, one after another (pairs of a row share one).
                 let (r0, r1) = (first / group, (first + count - 1) / group + 1);
                 keys.clear();
@@ -778,8 +783,8 @@ impl TreeAttention {
                         }
                     }
                 }
-            },
-        );
+            })
+        });
         Ok((CpuStorage::F32(out), Shape::from((t, h, d))))
     }
 }

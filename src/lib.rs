@@ -24,6 +24,7 @@ pub mod model;
 pub mod quant;
 pub mod sampling;
 pub mod spec;
+pub mod team;
 pub mod tokenizer;
 pub mod train;
 pub mod train_layer;

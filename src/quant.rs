@@ -432,9 +432,9 @@ const TASKS_PER_THREAD: usize = 2;
 
 /// Split `panels` into rayon tasks of whole groups of `group` panels.
 fn for_each_panel_range(panels: usize, group: usize, f: impl Fn(usize, usize) + Sync) {
-    let per_task = (panels.div_ceil(rayon::current_num_threads() * TASKS_PER_THREAD).max(group)).div_ceil(group) * group;
+    let per_task = (panels.div_ceil(crate::team::threads() * TASKS_PER_THREAD).max(group)).div_ceil(group) * group;
     let tasks = panels.div_ceil(per_task);
-    (0..tasks).into_par_iter().for_each(|t| {
+    crate::team::run(tasks, &|t| {
         let p0 = t * per_task;
         f(p0, (p0 + per_task).min(panels));
     });
@@ -515,10 +515,19 @@ fn quantize_acts(x: &[f32], m: usize, k: usize) -> QuantActs {
         quantize_row(x, q, d, sum);
     };
     if m * k >= crate::kernels::PAR_MIN_VALUES {
-        x.par_chunks(k)
-            .zip(a.q.par_chunks_mut(k))
-            .zip(a.d.par_chunks_mut(nb).zip(a.sum.par_chunks_mut(nb)))
-            .for_each(|((x, q), (d, sum))| row(x, q, d, sum));
+        let (q, d, sum) = (OutPtr(a.q.as_mut_ptr() as *mut f32), OutPtr(a.d.as_mut_ptr()), OutPtr(a.sum.as_mut_ptr() as *mut f32));
+        crate::team::run(m, &|i| {
+            let (q, d, sum) = (&q, &d, &sum);
+            // SAFETY: task i writes only row i of each buffer, which outlive the call.
+            let (q, d, sum) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut((q.0 as *mut i8).add(i * k), k),
+                    std::slice::from_raw_parts_mut(d.0.add(i * nb), nb),
+                    std::slice::from_raw_parts_mut((sum.0 as *mut i32).add(i * nb), nb),
+                )
+            };
+            row(&x[i * k..(i + 1) * k], q, d, sum)
+        });
     } else {
         for (((x, q), d), sum) in x.chunks(k).zip(a.q.chunks_mut(k)).zip(a.d.chunks_mut(nb)).zip(a.sum.chunks_mut(nb)) {
             row(x, q, d, sum);

@@ -1,0 +1,277 @@
+//! A team of spinning threads for the CPU forward's kernels.
+//!
+//! One forward of SmolLM2 runs about 200 parallel kernels (matmuls, attention, activation
+//! quantisation), each a few to a few hundred microseconds. Rayon parks an idle worker on a
+//! futex within microseconds, so nearly every kernel paid a wake-up: a `futex_wake` system call on
+//! the critical path and the sleeper's reschedule, about a sixth of the CPU time of a forward in
+//! `perf` (the same way llama.cpp's and OpenMP's thread pools avoid it: spin while work is near).
+//! Team workers spin on one atomic between kernels and park only after [`SPIN`] without work, so
+//! a running forward keeps them hot and an idle program costs nothing.
+//!
+//! A job is `tasks` calls of one closure, claimed one at a time from a shared cursor; the caller
+//! takes tasks too and returns when every task is done. Which thread runs a task never changes
+//! what it computes, so results are the same bits with any number of threads. One job runs at a
+//! time: a call made while another thread's job runs (tests in parallel) or from inside a task
+//! runs its tasks on the calling thread instead of waiting.
+use std::cell::UnsafeCell;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// How long a worker spins for the next job before parking: longer than the gaps inside a
+/// forward and between the forwards of a decoding loop, short enough to give the core back soon
+/// after a program stops calling kernels. `SELFSPEC_SPIN_US` overrides it (0: park at once, as
+/// rayon does, for machines shared with other busy programs).
+const SPIN: Duration = Duration::from_millis(2);
+
+fn spin() -> Duration {
+    static S: OnceLock<Duration> = OnceLock::new();
+    *S.get_or_init(|| std::env::var("SELFSPEC_SPIN_US").ok().and_then(|v| v.parse().ok()).map(Duration::from_micros).unwrap_or(SPIN))
+}
+
+/// Spins between `sched_yield` calls, so that a thread the OS wants to run on this core (a rayon
+/// worker of a candle op, another process) is not locked out for a whole time slice.
+const SPINS_PER_YIELD: u32 = 2048;
+
+/// The cursor packs `job | tasks | next` into one atomic: 24 bits numbering the job (wrapping),
+/// 20 for its task count and 20 for the next unclaimed task. With the count inside, a claim
+/// (a compare-and-swap of the whole word) can only succeed against the job its claimer read.
+const FIELD_BITS: u32 = 20;
+const FIELD_MASK: u64 = (1 << FIELD_BITS) - 1;
+const JOB_SHIFT: u32 = 2 * FIELD_BITS;
+
+/// Most tasks one job may have.
+pub const MAX_TASKS: usize = FIELD_MASK as usize;
+
+fn job_of(c: u64) -> u64 {
+    c >> JOB_SHIFT
+}
+fn tasks_of(c: u64) -> usize {
+    ((c >> FIELD_BITS) & FIELD_MASK) as usize
+}
+fn next_of(c: u64) -> usize {
+    (c & FIELD_MASK) as usize
+}
+
+type Task<'a> = dyn Fn(usize) + Sync + 'a;
+
+struct Shared {
+    /// `job | tasks | next unclaimed task` (see [`FIELD_BITS`]).
+    cursor: AtomicU64,
+    done: AtomicUsize,
+    /// The current job's closure, with its lifetime erased: written by the caller before the
+    /// job is published, read by workers only after claiming one of its tasks, and the caller
+    /// does not return (so the closure outlives every use) until all its tasks are done.
+    job: UnsafeCell<Option<*const Task<'static>>>,
+    panicked: AtomicBool,
+    sleepers: AtomicUsize,
+    park: Mutex<()>,
+    wake: Condvar,
+}
+
+// SAFETY: `job` is written only by the thread holding `Team::dispatch`, while no worker can
+// claim a task (the published cursor belongs to a finished job), and read only after a claim.
+unsafe impl Sync for Shared {}
+unsafe impl Send for Shared {}
+
+struct Team {
+    shared: &'static Shared,
+    workers: usize,
+    /// Held by the thread whose job runs; also numbers the jobs.
+    dispatch: Mutex<u64>,
+}
+
+fn team() -> &'static Team {
+    static TEAM: OnceLock<Team> = OnceLock::new();
+    TEAM.get_or_init(|| {
+        let shared: &'static Shared = Box::leak(Box::new(Shared {
+            cursor: AtomicU64::new(0),
+            done: AtomicUsize::new(0),
+            job: UnsafeCell::new(None),
+            panicked: AtomicBool::new(false),
+            sleepers: AtomicUsize::new(0),
+            park: Mutex::new(()),
+            wake: Condvar::new(),
+        }));
+        let mut workers = 0;
+        for i in 1..threads() {
+            let spawned = std::thread::Builder::new().name(format!("selfspec-team-{i}")).spawn(move || worker(shared));
+            if spawned.is_ok() {
+                workers += 1;
+            }
+        }
+        Team { shared, workers, dispatch: Mutex::new(0) }
+    })
+}
+
+/// Threads that run a job, the caller included: `RAYON_NUM_THREADS` when set (so one setting
+/// governs candle's rayon pool and this team), else the machine's available parallelism.
+pub fn threads() -> usize {
+    static N: OnceLock<usize> = OnceLock::new();
+    *N.get_or_init(|| {
+        std::env::var("RAYON_NUM_THREADS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|&n| n > 0)
+            .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1))
+    })
+}
+
+/// Run `f(0)`, ..., `f(tasks - 1)` across the team and return when all are done. Tasks may run
+/// in any order and on any thread. A panic in a task is re-raised here once every task has
+/// finished (so nothing borrowed by `f` is freed while another thread still uses it).
+pub fn run(tasks: usize, f: &(dyn Fn(usize) + Sync)) {
+    if tasks == 0 {
+        return;
+    }
+    let team = team();
+    let guard = if tasks > 1 && team.workers > 0 && tasks <= MAX_TASKS { team.dispatch.try_lock().ok() } else { None };
+    let Some(mut job_no) = guard else {
+        (0..tasks).for_each(f);
+        return;
+    };
+    let s = team.shared;
+    *job_no += 1;
+    let job = *job_no & (u64::MAX >> JOB_SHIFT);
+    // SAFETY: see `Shared::job`. The transmute only erases the lifetime; `f` outlives the job
+    // because this function waits for every task below before returning.
+    unsafe {
+        let erased: *const Task<'static> = std::mem::transmute::<*const Task<'_>, *const Task<'static>>(f as *const Task<'_>);
+        *s.job.get() = Some(erased);
+    }
+    s.done.store(0, Ordering::Relaxed);
+    s.cursor.store(job << JOB_SHIFT | (tasks as u64) << FIELD_BITS, Ordering::SeqCst);
+    if s.sleepers.load(Ordering::SeqCst) > 0 {
+        let _g = s.park.lock().unwrap_or_else(|e| e.into_inner());
+        s.wake.notify_all();
+    }
+    work(s, job);
+    while s.done.load(Ordering::Acquire) < tasks {
+        std::hint::spin_loop();
+    }
+    unsafe { *s.job.get() = None };
+    if s.panicked.swap(false, Ordering::AcqRel) {
+        drop(job_no);
+        panic!("a parallel kernel task panicked (its message is printed above)");
+    }
+}
+
+/// Claim and run tasks of job `job` until none is left.
+fn work(s: &Shared, job: u64) {
+    loop {
+        let c = s.cursor.load(Ordering::Acquire);
+        if job_of(c) != job || next_of(c) >= tasks_of(c) {
+            return;
+        }
+        if s.cursor.compare_exchange_weak(c, c + 1, Ordering::AcqRel, Ordering::Acquire).is_err() {
+            continue;
+        }
+        // SAFETY: the claim succeeded, so `job` is this job's closure and stays alive until the
+        // `done` increment below.
+        let f = unsafe { (*s.job.get()).expect("a published job has a closure") };
+        let task = next_of(c);
+        if catch_unwind(AssertUnwindSafe(|| unsafe { (*f)(task) })).is_err() {
+            s.panicked.store(true, Ordering::Release);
+        }
+        s.done.fetch_add(1, Ordering::Release);
+    }
+}
+
+fn worker(s: &'static Shared) {
+    let spin_limit = spin();
+    let mut seen = s.cursor.load(Ordering::Acquire) >> JOB_SHIFT;
+    loop {
+        let mut spins = 0u32;
+        let mut since = Instant::now();
+        let job = loop {
+            let job = s.cursor.load(Ordering::Acquire) >> JOB_SHIFT;
+            if job != seen {
+                break job;
+            }
+            std::hint::spin_loop();
+            spins += 1;
+            if spins % SPINS_PER_YIELD == 0 || spin_limit.is_zero() {
+                if since.elapsed() >= spin_limit {
+                    let mut g = s.park.lock().unwrap_or_else(|e| e.into_inner());
+                    s.sleepers.fetch_add(1, Ordering::SeqCst);
+                    while s.cursor.load(Ordering::SeqCst) >> JOB_SHIFT == seen {
+                        g = s.wake.wait(g).unwrap_or_else(|e| e.into_inner());
+                    }
+                    s.sleepers.fetch_sub(1, Ordering::SeqCst);
+                    since = Instant::now();
+                } else {
+                    std::thread::yield_now();
+                }
+            }
+        };
+        seen = job;
+        work(s, job);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicU32;
+
+    #[test]
+    fn every_task_runs_once_from_many_callers() {
+        let callers: Vec<_> = (0..4)
+            .map(|c| {
+                std::thread::spawn(move || {
+                    for round in 0..200 {
+                        let n = 1 + (round * 7 + c) % 37;
+                        let hits: Vec<AtomicU32> = (0..n).map(|_| AtomicU32::new(0)).collect();
+                        run(n, &|i| {
+                            hits[i].fetch_add(1, Ordering::Relaxed);
+                        });
+                        assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "caller {c} round {round}");
+                    }
+                })
+            })
+            .collect();
+        for c in callers {
+            c.join().unwrap();
+        }
+    }
+
+    #[test]
+    fn nested_calls_and_idle_workers_still_finish() {
+        let total = AtomicU32::new(0);
+        run(6, &|_| {
+            run(5, &|_| {
+                total.fetch_add(1, Ordering::Relaxed);
+            })
+        });
+        assert_eq!(total.load(Ordering::Relaxed), 30);
+        // Past the spin period the workers park; the next job must wake them.
+        std::thread::sleep(SPIN * 3);
+        let n = AtomicU32::new(0);
+        run(64, &|_| {
+            n.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(n.load(Ordering::Relaxed), 64);
+    }
+
+    #[test]
+    fn a_panicking_task_is_reraised_after_the_others_finish() {
+        let finished = AtomicU32::new(0);
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            run(16, &|i| {
+                if i == 3 {
+                    panic!("task 3 fails on purpose");
+                }
+                finished.fetch_add(1, Ordering::Relaxed);
+            })
+        }));
+        assert!(r.is_err());
+        assert_eq!(finished.load(Ordering::Relaxed), 15);
+        // The team still works afterwards.
+        let n = AtomicU32::new(0);
+        run(8, &|_| {
+            n.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(n.load(Ordering::Relaxed), 8);
+    }
+}
