@@ -98,9 +98,7 @@ impl SamplingParams {
         }
         let t = self.temperature as f64;
         let max = l.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
-        for (pi, &x) in p.iter_mut().zip(&l) {
-            *pi = ((x as f64 - max) / t).exp();
-        }
+        exp_scaled(&l, max, t, &mut p);
         let needs_sort = self.top_k > 0 || self.top_p < 1.0;
         if needs_sort {
             let mut order: Vec<usize> = (0..p.len()).collect();
@@ -149,6 +147,58 @@ impl SamplingParams {
     }
 }
 
+/// `p[i] = exp((l[i] - max) / t)` for the softmax. libm's `exp`, one call per vocabulary entry,
+/// was most of a sampled token's cost outside the forward (0.4 ms of 4 ms for SmolLM2's 49,152
+/// entries); [`exp_nonpositive`] is branch-free, so this loop vectorises, 8 lanes with AVX-512.
+/// Plain and speculative sampling share this function, so both draw from the same distribution.
+fn exp_scaled(l: &[f32], max: f64, t: f64, p: &mut [f64]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the feature was just detected.
+        unsafe { exp_scaled_avx512(l, max, t, p) };
+        return;
+    }
+    exp_scaled_generic(l, max, t, p);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn exp_scaled_avx512(l: &[f32], max: f64, t: f64, p: &mut [f64]) {
+    exp_scaled_generic(l, max, t, p);
+}
+
+#[inline(always)]
+fn exp_scaled_generic(l: &[f32], max: f64, t: f64, p: &mut [f64]) {
+    for (pi, &x) in p.iter_mut().zip(l) {
+        *pi = exp_nonpositive((x as f64 - max) / t);
+    }
+}
+
+/// `e^x` for `x <= 0` (NaN-free input), within a few ulps of libm's; values below -708, where
+/// the result would be subnormal, give 0. Cody–Waite reduction `x = k ln2 + r`, |r| <= ln2/2,
+/// a degree-13 Taylor polynomial for `e^r` (truncation error below 1e-17), and `2^k` built from
+/// the bits of the rounding constant, all without branches or calls.
+#[inline(always)]
+pub fn exp_nonpositive(x: f64) -> f64 {
+    const LN2_HI: f64 = 6.931_471_803_691_238_164_90e-1;
+    const LN2_LO: f64 = 1.908_214_929_270_587_700_02e-10;
+    const INV_LN2: f64 = std::f64::consts::LOG2_E;
+    // 1.5 * 2^52: adding it rounds to an integer, kept in the low mantissa bits.
+    const ROUND: f64 = 6_755_399_441_055_744.0;
+    let under = x < -708.0;
+    let x = x.max(-708.0);
+    let kr = x.mul_add(INV_LN2, ROUND);
+    let k = kr - ROUND;
+    let r = (-k).mul_add(LN2_LO, (-k).mul_add(LN2_HI, x));
+    let mut poly: f64 = 1.0 / 6_227_020_800.0; // 1/13!
+    for d in [479_001_600.0f64, 39_916_800.0, 3_628_800.0, 362_880.0, 40_320.0, 5_040.0, 720.0, 120.0, 24.0, 6.0, 2.0, 1.0, 1.0] {
+        poly = poly.mul_add(r, 1.0 / d);
+    }
+    // k + 1023 in the exponent field (k >= -1022 here, so the field is in 1..=1023).
+    let scale = f64::from_bits((kr.to_bits().wrapping_add(1023)) << 52);
+    if under { 0.0 } else { poly * scale }
+}
+
 /// Inverse-CDF draw from a (not necessarily normalised) distribution.
 pub fn sample_from(p: &[f64], rng: &mut Rng64) -> u32 {
     let total: f64 = p.iter().sum();
@@ -187,6 +237,24 @@ mod tests {
         assert_eq!(mp.iter().filter(|&&x| x > 0.0).count(), 2);
         assert!(SamplingParams { temperature: -1.0, ..Default::default() }.validate().is_err());
         assert!(SamplingParams { top_p: 0.0, ..Default::default() }.validate().is_err());
+    }
+
+    #[test]
+    fn fast_exp_matches_libm() {
+        let mut worst = 0f64;
+        for i in 0..200_000 {
+            let x = -(i as f64) * 0.003_7 - (i % 7) as f64 * 1e-9;
+            let (a, b) = (exp_nonpositive(x), x.exp());
+            if x >= -708.0 {
+                worst = worst.max(((a - b) / b).abs());
+            } else {
+                assert_eq!(a, 0.0, "{x}");
+            }
+        }
+        assert!(worst < 1e-15, "worst relative error {worst}");
+        assert_eq!(exp_nonpositive(0.0), 1.0);
+        assert_eq!(exp_nonpositive(-1e300), 0.0);
+        assert_eq!(exp_nonpositive(f64::NEG_INFINITY), 0.0);
     }
 
     #[test]
