@@ -10,7 +10,8 @@ use crate::generate::{generate_plain, StopRule};
 use crate::drafter::Drafter;
 use crate::loader::Target;
 use crate::sampling::{rng, SamplingParams};
-use crate::spec::{generate_spec, Plan, SpecOptions, SpecStats, StepTimes};
+use crate::budget::{Budget, AFFORDABLE_COST};
+use crate::spec::{generate_spec, Plan, SpecOptions, SpecStats, StepTimes, TreeChoice};
 use crate::tokenizer::Message;
 use crate::tree::Tree;
 use crate::verify::Rule;
@@ -166,7 +167,13 @@ pub fn evaluate(target: &Target, drafter: &Drafter, prompts: &[PromptItem], opts
     let plans: Vec<Plan> = opts
         .trees
         .iter()
-        .map(|(_, p)| Ok(Plan { tree: p.tree.clone().with_costs(&target.model, p.lookup.map_or(0, |l| l.max_tokens))?, lookup: p.lookup }))
+        .map(|(name, p)| {
+            let tree = p.tree.clone().with_costs(&target.model, p.lookup.map_or(0, |l| l.max_tokens))?;
+            if let (TreeChoice::Auto(b), TreeChoice::Auto(Budget { fit_to_device: true, .. })) = (&tree, &p.tree) {
+                eprintln!("{name}: grows up to {} nodes here (forward cost within {AFFORDABLE_COST}x one token's)", b.max_nodes);
+            }
+            Ok(Plan { tree, lookup: p.lookup })
+        })
         .collect::<Result<_>>()?;
     let mut turns = Vec::new();
     let total: usize = prompts.iter().map(|p| p.turns.len()).sum();

@@ -1,7 +1,6 @@
 //! Self-speculative decoding: heads draft a tree from the last accepted hidden state, one target
 //! forward checks the whole tree, [`crate::verify`] decides what is emitted, and the KV cache is
 //! compacted to the accepted path.
-use std::sync::Arc;
 use std::time::Instant;
 
 use crate::budget::{Budget, Calibration, CostCurve, Draft};
@@ -30,14 +29,14 @@ impl TreeChoice {
     /// `cpu`, `gpu`, `chain`, `chain:N`, `dynamic`, `dynamic:N`, `auto`, `auto:N`, or a tree file.
     pub fn parse(spec: &str) -> Result<Self> {
         if spec == "auto" {
-            return Ok(TreeChoice::Auto(Budget { max_nodes: 16, costs: None }));
+            return Ok(TreeChoice::Auto(Budget { max_nodes: 16, costs: None, fit_to_device: true }));
         }
         if let Some(n) = spec.strip_prefix("auto:") {
             let n: usize = n.parse().map_err(|_| Error::InvalidTree(format!("bad node count in '{spec}'")))?;
             if !(2..=64).contains(&n) {
                 return Err(Error::InvalidTree(format!("'{spec}': an auto tree grows 2 to 64 nodes")));
             }
-            return Ok(TreeChoice::Auto(Budget { max_nodes: n, costs: None }));
+            return Ok(TreeChoice::Auto(Budget { max_nodes: n, costs: None, fit_to_device: false }));
         }
         if spec == "dynamic" {
             return Ok(TreeChoice::Dynamic(8));
@@ -60,8 +59,9 @@ impl TreeChoice {
     /// they are known. `extra` = nodes a lookup branch may add.
     pub fn with_costs(self, model: &Llama, extra: usize) -> Result<Self> {
         match self {
-            TreeChoice::Auto(Budget { max_nodes, costs: None }) => {
-                Ok(TreeChoice::Auto(Budget { max_nodes, costs: Some(Arc::new(CostCurve::measure(model, max_nodes + extra)?)) }))
+            TreeChoice::Auto(b @ Budget { costs: None, .. }) => {
+                let costs = CostCurve::measure(model, b.max_nodes + extra)?;
+                Ok(TreeChoice::Auto(b.with_measured(costs)))
             }
             other => Ok(other),
         }

@@ -122,7 +122,7 @@ fn test_tree() -> TreeChoice {
 /// step to step with the drafts' probabilities but does not depend on this machine's timing.
 fn auto_tree(max_nodes: usize) -> TreeChoice {
     let costs = CostCurve::from_points(&[(1, 10.0), (2, 10.8), (64, 60.0)], 64).unwrap();
-    TreeChoice::Auto(Budget { max_nodes, costs: Some(Arc::new(costs)) })
+    TreeChoice::Auto(Budget { max_nodes, costs: Some(Arc::new(costs)), fit_to_device: false })
 }
 
 #[allow(clippy::too_many_arguments)]
