@@ -97,8 +97,8 @@ pub struct Budget {
 /// The forward cost, relative to one token, up to which bare `auto` grows trees. Growing a node
 /// costs drafting time whether or not the cut keeps it, and with a drafter whose first guess is
 /// right about half the time a step seldom gains more than a token or two, so nodes past this
-/// cost are grown only to be cut. Measured here: 4-bit SmolLM2 affords 4 nodes (cost(4) ≈ 1.35×)
-/// and `auto:4+lookup:3` ran at 1.12× plain against 1.03× for 16; f32 affords about 7, and
+/// cost are grown only to be cut. Measured here: 4-bit SmolLM2 affords 4–5 nodes (cost(4) ≈
+/// 1.3×) and `auto:4+lookup:3` ran at 1.12× plain against 1.03× for 16; f32 affords about 7, and
 /// `auto:6`/`auto:8` ran at 1.45×/1.42× against 1.39× (same runs, 12 prompts). A GPU's flat
 /// curve keeps all 16.
 pub const AFFORDABLE_COST: f64 = 1.5;

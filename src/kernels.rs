@@ -615,9 +615,9 @@ impl TreeMask {
     }
 }
 
-/// Row-wise elementwise passes (activation quantizing, SwiGLU) fork over threads from this many
-/// values on. Below it a fork and join (tens of microseconds when the other thread has to be
-/// woken) costs more than the work: a 4-row verify forward forked about 120 times for under
+/// Row-wise elementwise passes (activation quantizing, SwiGLU) split over the thread team from
+/// this many values on. Below it a split costs more than the work (with rayon, which ran these
+/// before the team, a fork and join took tens of microseconds when the other thread slept): a 4-row verify forward forked about 120 times for under
 /// 0.1 µs of work each, and a 4-row call on a 3072 x 576 Q8_0 weight took 0.080 ms with those
 /// forks, 0.031 ms without. Rows are independent, so either way gives the same bits.
 pub(crate) const PAR_MIN_VALUES: usize = 1 << 14;

@@ -430,7 +430,7 @@ impl CpuWeight {
 /// (the hardware prefetcher needs a run to ramp up), yet more than one for load balance.
 const TASKS_PER_THREAD: usize = 2;
 
-/// Split `panels` into rayon tasks of whole groups of `group` panels.
+/// Split `panels` into tasks of whole groups of `group` panels, run on the [`crate::team`].
 fn for_each_panel_range(panels: usize, group: usize, f: impl Fn(usize, usize) + Sync) {
     let per_task = (panels.div_ceil(crate::team::threads() * TASKS_PER_THREAD).max(group)).div_ceil(group) * group;
     let tasks = panels.div_ceil(per_task);
