@@ -373,7 +373,7 @@ impl Drafter {
     /// Rank hits along a known continuation: for each position `t >= from` of `seq` (features
     /// `hidden [len, d]` from the target's causal forward), where the level-1 guess (and, for a
     /// layer, each deeper guess made from the true tokens above it) put the true token.
-    /// Returns (hits[level][rank], trials[level]).
+    /// Returns (`hits[level][rank]`, `trials[level]`).
     pub fn rank_hits(&self, model: &Llama, hidden: &Tensor, seq: &[u32], from: usize, ranks: usize) -> Result<(Vec<Vec<usize>>, Vec<usize>)> {
         let levels = match self {
             Drafter::Heads(h) => h.num_heads(),

@@ -240,7 +240,7 @@ pub fn evaluate(target: &Target, drafter: &Drafter, prompts: &[PromptItem], opts
     })
 }
 
-/// Text with each run of accepted draft tokens wrapped in [brackets].
+/// Text with each run of accepted draft tokens wrapped in `[brackets]`.
 pub fn mark_drafted(target: &Target, out: &[u32], drafted: &[bool]) -> Result<String> {
     let mut s = String::new();
     let mut i = 0;
@@ -355,7 +355,7 @@ pub fn to_svg(r: &EvalReport) -> String {
     svg
 }
 
-/// acc[k][r]: how often the rank-r guess at level k+1 below the root equals the target's own
+/// `acc[k][r]`: how often the rank-r guess at level k+1 below the root equals the target's own
 /// greedy token there (for a draft layer: given the true tokens above it), measured on the
 /// target's greedy continuations of `prompts`.
 pub fn rank_accuracy(target: &Target, drafter: &Drafter, prompts: &[PromptItem], max_tokens: usize, ranks: usize) -> Result<Vec<Vec<f64>>> {

@@ -98,7 +98,7 @@ const ACC_K: usize = 5;
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct SpecStats {
     pub gen: GenStats,
-    /// accept_hist[m] = steps that accepted m drafted tokens (plus one correction/bonus token).
+    /// `accept_hist[m]` = steps that accepted m drafted tokens (plus one correction/bonus token).
     pub accept_hist: Vec<usize>,
     /// For a static tree: per node, (times its parent was accepted, times it was accepted).
     pub node_tries_hits: Vec<(usize, usize)>,
