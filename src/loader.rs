@@ -155,7 +155,7 @@ fn unpermute_rows(heads: usize, head_dim: usize) -> Vec<usize> {
     perm
 }
 
-/// The inverse of [`unpermute_qk`], for writing GGUF files in llama.cpp's layout.
+/// The inverse of `unpermute_qk`, for writing GGUF files in llama.cpp's layout.
 pub fn permute_qk(w: &Tensor, heads: usize) -> Result<Tensor> {
     let (out, inp) = w.dims2()?;
     let hd = out / heads;

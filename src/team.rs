@@ -5,7 +5,7 @@
 //! futex within microseconds, so nearly every kernel paid a wake-up: a `futex_wake` system call on
 //! the critical path and the sleeper's reschedule, about a sixth of the CPU time of a forward in
 //! `perf` (the same way llama.cpp's and OpenMP's thread pools avoid it: spin while work is near).
-//! Team workers spin on one atomic between kernels and park only after [`SPIN`] without work, so
+//! Team workers spin on one atomic between kernels and park only after 2 ms without work, so
 //! a running forward keeps them hot and an idle program costs nothing.
 //!
 //! A job is `tasks` calls of one closure, claimed one at a time from a shared cursor; the caller
