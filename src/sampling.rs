@@ -149,7 +149,7 @@ impl SamplingParams {
 
 /// `p[i] = exp((l[i] - max) / t)` for the softmax. libm's `exp`, one call per vocabulary entry,
 /// was most of a sampled token's cost outside the forward (0.4 ms of 4 ms for SmolLM2's 49,152
-/// entries); [`exp_nonpositive`] is branch-free, so this loop vectorises, 8 lanes with AVX-512.
+/// entries); [`exp_nonpositive_f64`] is branch-free, so this loop vectorises, 8 lanes with AVX-512.
 /// Plain and speculative sampling share this function, so both draw from the same distribution.
 fn exp_scaled(l: &[f32], max: f64, t: f64, p: &mut [f64]) {
     #[cfg(target_arch = "x86_64")]
@@ -170,16 +170,18 @@ unsafe fn exp_scaled_avx512(l: &[f32], max: f64, t: f64, p: &mut [f64]) {
 #[inline(always)]
 fn exp_scaled_generic(l: &[f32], max: f64, t: f64, p: &mut [f64]) {
     for (pi, &x) in p.iter_mut().zip(l) {
-        *pi = exp_nonpositive((x as f64 - max) / t);
+        *pi = exp_nonpositive_f64((x as f64 - max) / t);
     }
 }
 
 /// `e^x` for `x <= 0` (NaN-free input), within a few ulps of libm's; values below -708, where
 /// the result would be subnormal, give 0. Cody–Waite reduction `x = k ln2 + r`, |r| <= ln2/2,
 /// a degree-13 Taylor polynomial for `e^r` (truncation error below 1e-17), and `2^k` built from
-/// the bits of the rounding constant, all without branches or calls.
+/// the bits of the rounding constant, all without branches or calls. The f32 sibling in
+/// `kernels` (attention's softmax) is the same method at f32 precision; sampling keeps f64 so
+/// the distribution's tiny probabilities keep their digits.
 #[inline(always)]
-pub fn exp_nonpositive(x: f64) -> f64 {
+pub fn exp_nonpositive_f64(x: f64) -> f64 {
     const LN2_HI: f64 = 6.931_471_803_691_238_164_90e-1;
     const LN2_LO: f64 = 1.908_214_929_270_587_700_02e-10;
     const INV_LN2: f64 = std::f64::consts::LOG2_E;
@@ -244,7 +246,7 @@ mod tests {
         let mut worst = 0f64;
         for i in 0..200_000 {
             let x = -(i as f64) * 0.003_7 - (i % 7) as f64 * 1e-9;
-            let (a, b) = (exp_nonpositive(x), x.exp());
+            let (a, b) = (exp_nonpositive_f64(x), x.exp());
             if x >= -708.0 {
                 worst = worst.max(((a - b) / b).abs());
             } else {
@@ -252,9 +254,9 @@ mod tests {
             }
         }
         assert!(worst < 1e-15, "worst relative error {worst}");
-        assert_eq!(exp_nonpositive(0.0), 1.0);
-        assert_eq!(exp_nonpositive(-1e300), 0.0);
-        assert_eq!(exp_nonpositive(f64::NEG_INFINITY), 0.0);
+        assert_eq!(exp_nonpositive_f64(0.0), 1.0);
+        assert_eq!(exp_nonpositive_f64(-1e300), 0.0);
+        assert_eq!(exp_nonpositive_f64(f64::NEG_INFINITY), 0.0);
     }
 
     #[test]

@@ -27,7 +27,13 @@ const SPIN: Duration = Duration::from_millis(2);
 
 fn spin() -> Duration {
     static S: OnceLock<Duration> = OnceLock::new();
-    *S.get_or_init(|| std::env::var("SELFSPEC_SPIN_US").ok().and_then(|v| v.parse().ok()).map(Duration::from_micros).unwrap_or(SPIN))
+    *S.get_or_init(|| match std::env::var("SELFSPEC_SPIN_US") {
+        Ok(v) => v.trim().parse().map(Duration::from_micros).unwrap_or_else(|_| {
+            eprintln!("warning: SELFSPEC_SPIN_US={v:?} is not a whole number of microseconds; spinning {} us", SPIN.as_micros());
+            SPIN
+        }),
+        Err(_) => SPIN,
+    })
 }
 
 /// Spins between `sched_yield` calls, so that a thread the OS wants to run on this core (a rayon
@@ -110,11 +116,18 @@ fn team() -> &'static Team {
 pub fn threads() -> usize {
     static N: OnceLock<usize> = OnceLock::new();
     *N.get_or_init(|| {
-        std::env::var("RAYON_NUM_THREADS")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|&n| n > 0)
-            .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1))
+        let machine = || std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        match std::env::var("RAYON_NUM_THREADS") {
+            Ok(v) => match v.trim().parse::<usize>() {
+                Ok(0) => machine(),
+                Ok(n) => n,
+                Err(_) => {
+                    eprintln!("warning: RAYON_NUM_THREADS={v:?} is not a thread count; using {}", machine());
+                    machine()
+                }
+            },
+            Err(_) => machine(),
+        }
     })
 }
 
