@@ -267,11 +267,7 @@ impl DraftLayer {
         }
         let e = target.embed(tokens)?;
         let x = Tensor::cat(&[feats, &e], 1)?.contiguous()?;
-        let x = if x.device().is_cpu() && rayon::current_thread_index().is_none() {
-            rayon::scope(|_| self.fc.forward(&x))?
-        } else {
-            self.fc.forward(&x)?
-        };
+        let x = self.fc.forward(&x)?;
         self.llama.forward_embeds(&x, positions, mask, cache)
     }
 

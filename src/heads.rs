@@ -254,13 +254,7 @@ impl Heads {
 
     /// Each head's top-`k` guesses as (token id, probability within the draft vocabulary).
     pub fn draft_top_k(&self, h: &Tensor, root: u32, target: &crate::model::Llama, k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
-        // On a rayon worker, as the target's forward: the small parallel ops inside then start
-        // without waking a pool thread and parking this one.
-        let rows = if h.device().is_cpu() && rayon::current_thread_index().is_none() {
-            rayon::scope(|_| top_k_rows(&self.draft_logits(h, root, target)?, k))?
-        } else {
-            top_k_rows(&self.draft_logits(h, root, target)?, k)?
-        };
+        let rows = top_k_rows(&self.draft_logits(h, root, target)?, k)?;
         Ok(match &self.draft_vocab {
             Some((ids, _)) => rows.into_iter().map(|r| r.into_iter().map(|(i, p)| (ids[i as usize], p)).collect()).collect(),
             None => rows,

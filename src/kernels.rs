@@ -652,9 +652,8 @@ impl candle_core::CustomOp1 for SwiGlu {
             swiglu_row(g, u, o);
         };
         if t * w >= PAR_MIN_VALUES {
-            let o = OutPtr(out.as_mut_ptr());
-            // SAFETY: task i writes only row i of `out`, which outlives the call.
-            crate::team::run(t, &|i| row((&x[i * w..(i + 1) * w], unsafe { std::slice::from_raw_parts_mut(o.offset(i * n).0, n) })));
+            let mut rows: Vec<(&[f32], &mut [f32])> = x.chunks(w).zip(out.chunks_mut(n)).collect();
+            crate::team::for_each_mut(&mut rows, |_, (x, o)| row((x, o)));
         } else {
             x.chunks(w).zip(out.chunks_mut(n)).for_each(row);
         }

@@ -455,12 +455,6 @@ impl Llama {
     /// `cache`) and return the final-norm hidden states `[T, hidden]`. The new tokens' K/V land in
     /// slots `cache.len()..cache.len()+T` and are committed.
     pub fn forward(&self, tokens: &[u32], positions: &[usize], mask: &TreeMask, cache: &mut KvCache) -> Result<Tensor> {
-        // Run the whole forward on a rayon worker: each of the ~200 parallel matmuls in it then
-        // starts by work-stealing instead of waking a pool thread and putting this one to sleep,
-        // which cost about as much as the matmuls themselves at one token.
-        if self.device.is_cpu() && rayon::current_thread_index().is_none() {
-            return rayon::scope(|_| self.forward_inner(tokens, positions, mask, cache));
-        }
         self.forward_inner(tokens, positions, mask, cache)
     }
 
@@ -491,9 +485,6 @@ impl Llama {
                 positions.len(),
                 mask.len()
             )));
-        }
-        if self.device.is_cpu() && rayon::current_thread_index().is_none() {
-            return rayon::scope(|_| self.run_blocks(x.clone(), positions, mask, cache));
         }
         self.run_blocks(x.clone(), positions, mask, cache)
     }
@@ -548,9 +539,6 @@ impl Llama {
     /// [`Llama::forward`] would run them alone. Returns the final-norm hidden states of all
     /// entries' tokens, one entry after another (`[sum of T, hidden]`).
     pub fn forward_batch(&self, batch: &mut [BatchEntry]) -> Result<Tensor> {
-        if self.device.is_cpu() && rayon::current_thread_index().is_none() {
-            return rayon::scope(|_| self.forward_batch_inner(batch));
-        }
         self.forward_batch_inner(batch)
     }
 
@@ -585,9 +573,6 @@ impl Llama {
 
     /// `hidden [T, d] -> logits [T, vocab]`.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        if self.device.is_cpu() && rayon::current_thread_index().is_none() {
-            return rayon::scope(|_| self.lm_head.forward(hidden));
-        }
         self.lm_head.forward(hidden)
     }
 

@@ -515,19 +515,8 @@ fn quantize_acts(x: &[f32], m: usize, k: usize) -> QuantActs {
         quantize_row(x, q, d, sum);
     };
     if m * k >= crate::kernels::PAR_MIN_VALUES {
-        let (q, d, sum) = (OutPtr(a.q.as_mut_ptr() as *mut f32), OutPtr(a.d.as_mut_ptr()), OutPtr(a.sum.as_mut_ptr() as *mut f32));
-        crate::team::run(m, &|i| {
-            let (q, d, sum) = (&q, &d, &sum);
-            // SAFETY: task i writes only row i of each buffer, which outlive the call.
-            let (q, d, sum) = unsafe {
-                (
-                    std::slice::from_raw_parts_mut((q.0 as *mut i8).add(i * k), k),
-                    std::slice::from_raw_parts_mut(d.0.add(i * nb), nb),
-                    std::slice::from_raw_parts_mut((sum.0 as *mut i32).add(i * nb), nb),
-                )
-            };
-            row(&x[i * k..(i + 1) * k], q, d, sum)
-        });
+        let mut rows: Vec<_> = x.chunks(k).zip(a.q.chunks_mut(k)).zip(a.d.chunks_mut(nb).zip(a.sum.chunks_mut(nb))).collect();
+        crate::team::for_each_mut(&mut rows, |_, ((x, q), (d, sum))| row(x, q, d, sum));
     } else {
         for (((x, q), d), sum) in x.chunks(k).zip(a.q.chunks_mut(k)).zip(a.d.chunks_mut(nb)).zip(a.sum.chunks_mut(nb)) {
             row(x, q, d, sum);

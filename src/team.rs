@@ -170,6 +170,17 @@ pub fn run(tasks: usize, f: &(dyn Fn(usize) + Sync)) {
     }
 }
 
+/// `f(i, &mut items[i])` for every item, across the team: for splitting output buffers by rows
+/// (each task gets its own item, so no two tasks touch the same memory).
+pub fn for_each_mut<T: Send>(items: &mut [T], f: impl Fn(usize, &mut T) + Sync) {
+    struct Items<T>(*mut T);
+    // SAFETY: each task index is claimed once, so each item is reached by one thread only.
+    unsafe impl<T: Send> Sync for Items<T> {}
+    let base = Items(items.as_mut_ptr());
+    let base = &base;
+    run(items.len(), &|i| f(i, unsafe { &mut *base.0.add(i) }));
+}
+
 /// Claim and run tasks of job `job` until none is left.
 fn work(s: &Shared, job: u64) {
     loop {
@@ -246,6 +257,15 @@ mod tests {
             .collect();
         for c in callers {
             c.join().unwrap();
+        }
+    }
+
+    #[test]
+    fn for_each_mut_gives_each_task_its_own_item() {
+        let mut rows: Vec<Vec<usize>> = (0..37).map(|i| vec![0; i % 5 + 1]).collect();
+        for_each_mut(&mut rows, |i, r| r.iter_mut().for_each(|v| *v += i + 1));
+        for (i, r) in rows.iter().enumerate() {
+            assert!(r.len() == i % 5 + 1 && r.iter().all(|&v| v == i + 1), "row {i}: {r:?}");
         }
     }
 
