@@ -392,12 +392,26 @@ pub(crate) mod avx512_packed {
     use super::{Elem, OutPtr, PackedWeight, PANEL};
     use std::arch::x86_64::*;
 
-    /// `MR` activation rows x `NR` panels (16 columns each).
+    /// `MR` activation rows x `NR` panels (16 columns each), over inputs `k0..k1`. A tile that
+    /// does not start at input 0 resumes the partial sums it left in `out`: storing an f32 and
+    /// loading it back is exact, so each output is still one unbroken FMA chain in input order.
     #[inline(always)]
-    unsafe fn tile<E: Elem, const MR: usize, const NR: usize>(x: *const f32, k: usize, w: *const E, i0: usize, p0: usize, n: usize, out: OutPtr) {
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tile<E: Elem, const MR: usize, const NR: usize, const PREFETCH: bool>(x: *const f32, k: usize, w: *const E, i0: usize, p0: usize, n: usize, out: OutPtr, k0: usize, k1: usize) {
         let mut acc = [[_mm512_setzero_ps(); NR]; MR];
+        if k0 > 0 {
+            load_tile(&mut acc, i0, p0, n, out);
+        }
         let panel_len = k * PANEL;
-        for kk in 0..k {
+        for kk in k0..k1 {
+            if PREFETCH {
+                // The same lines one slice on (or, past the end, in the next panels), into L2.
+                let ahead = kk + K_SLICE;
+                let (pp, kk2) = if ahead < k { (p0, ahead) } else { (p0 + NR, ahead - k) };
+                for jj in 0..NR {
+                    _mm_prefetch::<_MM_HINT_T1>(w.wrapping_add((pp + jj) * panel_len + kk2 * PANEL) as *const i8);
+                }
+            }
             let mut wv = [_mm512_setzero_ps(); NR];
             for (jj, wv) in wv.iter_mut().enumerate() {
                 *wv = E::load16(w.add((p0 + jj) * panel_len + kk * PANEL));
@@ -410,6 +424,19 @@ pub(crate) mod avx512_packed {
             }
         }
         store_tile(&acc, i0, p0, n, out);
+    }
+
+    /// The partial sums [`store_tile`] left, with the same column mask.
+    #[inline(always)]
+    unsafe fn load_tile<const MR: usize, const NR: usize>(acc: &mut [[__m512; NR]; MR], i0: usize, p0: usize, n: usize, out: OutPtr) {
+        for (ii, row) in acc.iter_mut().enumerate() {
+            for (jj, a) in row.iter_mut().enumerate() {
+                let col = (p0 + jj) * PANEL;
+                let live = n.saturating_sub(col).min(PANEL);
+                let mask: __mmask16 = if live >= PANEL { 0xffff } else { ((1u32 << live) - 1) as __mmask16 };
+                *a = _mm512_maskz_loadu_ps(mask, out.0.add((i0 + ii) * n + col));
+            }
+        }
     }
 
     /// Write an `MR` rows x `NR` panels tile of outputs, masking the columns past `n` in the
@@ -426,18 +453,39 @@ pub(crate) mod avx512_packed {
         }
     }
 
+    /// Inputs per slice when the rows need more than one tile.
+    ///
+    /// Why slices: with rows in several tiles, running each tile over all of `k` in turn streams
+    /// the panels from memory during the first tile and from L2 during the others, with the
+    /// memory bus idle meanwhile. Taking every tile over one slice of the panels (16 KB of f32,
+    /// in L1) before the next keeps the weight stream steady, so memory and arithmetic overlap.
+    const K_SLICE: usize = 64;
+
     #[inline(always)]
     unsafe fn panels<E: Elem, const NR: usize>(x: *const f32, m: usize, k: usize, w: *const E, p: usize, n: usize, out: OutPtr) {
-        let mut i = 0;
-        while i + 4 <= m {
-            tile::<E, 4, NR>(x, k, w, i, p, n, out);
-            i += 4;
-        }
-        match m - i {
-            3 => tile::<E, 3, NR>(x, k, w, i, p, n, out),
-            2 => tile::<E, 2, NR>(x, k, w, i, p, n, out),
-            1 => tile::<E, 1, NR>(x, k, w, i, p, n, out),
-            _ => {}
+        let slice = if m <= 6 { k } else { K_SLICE };
+        let mut k0 = 0;
+        while k0 < k {
+            let k1 = (k0 + slice).min(k);
+            let mut i = 0;
+            if m > 6 {
+                // The first tile of each slice fetches the next slice while the rest compute.
+                tile::<E, 6, NR, true>(x, k, w, 0, p, n, out, k0, k1);
+                i = 6;
+            }
+            while i + 6 <= m {
+                tile::<E, 6, NR, false>(x, k, w, i, p, n, out, k0, k1);
+                i += 6;
+            }
+            match m - i {
+                5 => tile::<E, 5, NR, false>(x, k, w, i, p, n, out, k0, k1),
+                4 => tile::<E, 4, NR, false>(x, k, w, i, p, n, out, k0, k1),
+                3 => tile::<E, 3, NR, false>(x, k, w, i, p, n, out, k0, k1),
+                2 => tile::<E, 2, NR, false>(x, k, w, i, p, n, out, k0, k1),
+                1 => tile::<E, 1, NR, false>(x, k, w, i, p, n, out, k0, k1),
+                _ => {}
+            }
+            k0 = k1;
         }
     }
 
