@@ -688,9 +688,9 @@ mod avx512_quant {
                     o += 64;
                 }
             }
-            // Short row tiles use two integer accumulators per output (exact, so splitting
-            // changes no bits) for enough independent chains to hide vpdpbusd's latency; four-row
-            // tiles have enough already and would run out of registers.
+            // Tiles with few outputs use two integer accumulators per output (exact, so
+            // splitting changes no bits) for enough independent chains to hide vpdpbusd's
+            // latency; 4x2 tiles have enough already and would run out of registers.
             let mut isum2 = [[_mm512_setzero_si512(); NR]; MR];
             if B4 {
                 for g in 0..4 {
@@ -707,7 +707,7 @@ mod avx512_quant {
                         let xh = _mm512_set1_epi32((row.add(16 + 4 * g) as *const i32).read_unaligned());
                         for jj in 0..NR {
                             isum[ii][jj] = _mm512_dpbusd_epi32(isum[ii][jj], lo[jj], xl);
-                            if MR <= 2 {
+                            if MR <= 2 || (NR == 1 && MR <= 8) {
                                 isum2[ii][jj] = _mm512_dpbusd_epi32(isum2[ii][jj], hi[jj], xh);
                             } else {
                                 isum[ii][jj] = _mm512_dpbusd_epi32(isum[ii][jj], hi[jj], xh);
@@ -729,7 +729,7 @@ mod avx512_quant {
                         let xb = _mm512_set1_epi32((row.add(8 * g + 4) as *const i32).read_unaligned());
                         for jj in 0..NR {
                             isum[ii][jj] = _mm512_dpbusd_epi32(isum[ii][jj], wa[jj], xa);
-                            if MR <= 2 {
+                            if MR <= 2 || (NR == 1 && MR <= 8) {
                                 isum2[ii][jj] = _mm512_dpbusd_epi32(isum2[ii][jj], wb[jj], xb);
                             } else {
                                 isum[ii][jj] = _mm512_dpbusd_epi32(isum[ii][jj], wb[jj], xb);
@@ -738,7 +738,7 @@ mod avx512_quant {
                     }
                 }
             }
-            if MR <= 2 {
+            if MR <= 2 || (NR == 1 && MR <= 8) {
                 for ii in 0..MR {
                     for jj in 0..NR {
                         isum[ii][jj] = _mm512_add_epi32(isum[ii][jj], isum2[ii][jj]);
@@ -768,6 +768,12 @@ mod avx512_quant {
     #[inline(always)]
     unsafe fn panels<const NR: usize, const B4: bool, const OFS: bool>(a: &QuantActs, m: usize, w: &PackedQuant, p: usize, out: OutPtr) {
         let mut i = 0;
+        if NR == 1 {
+            while i + 8 <= m {
+                tile::<8, 1, B4, OFS>(a, w, i, p, out);
+                i += 8;
+            }
+        }
         while i + 4 <= m {
             tile::<4, NR, B4, OFS>(a, w, i, p, out);
             i += 4;
@@ -792,8 +798,10 @@ mod avx512_quant {
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     pub unsafe fn block(a: &QuantActs, m: usize, w: &PackedQuant, p0: usize, p1: usize, out: OutPtr) {
+        // From 8 rows on, tiles of 8 rows x 1 panel: the panel's codes, unpacked once, serve
+        // twice as many rows as in a 4x2 tile (5% faster 8- and 16-row forwards, native).
         let mut p = p0;
-        while p + 2 <= p1 {
+        while m < 8 && p + 2 <= p1 {
             panels_of::<2>(a, m, w, p, out);
             p += 2;
         }
