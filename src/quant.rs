@@ -20,7 +20,7 @@ use std::str::FromStr;
 use half::f16;
 use rayon::prelude::*;
 
-use crate::kernels::{isa, Isa, OutPtr, PackedWeight, PANEL};
+use crate::kernels::{isa, written_by, Isa, OutPtr, PackedWeight, PANEL};
 use crate::{Error, Result};
 
 /// Values per quantization block (Q8_0, Q4_0 and Q4_1 all use 32).
@@ -445,19 +445,21 @@ fn for_each_panel_range(panels: usize, group: usize, f: impl Fn(usize, usize) + 
 
 fn matmul_f16(x: &[f32], m: usize, w: &PackedF16) -> Vec<f32> {
     assert_eq!(x.len(), m * w.k, "x has {} values, expected {m}x{}", x.len(), w.k);
-    let mut out = vec![0f32; m * w.n];
-    let ptr = OutPtr(out.as_mut_ptr());
     let use_avx512 = matches!(isa(), Isa::Avx512);
-    for_each_panel_range(w.n.div_ceil(PANEL), 4, |p0, p1| {
-        #[cfg(target_arch = "x86_64")]
-        if use_avx512 {
-            unsafe { crate::kernels::avx512_packed::block_of(x, m, w.k, w.n, w.data.as_ptr(), p0, p1, ptr) };
-            return;
-        }
-        let _ = use_avx512;
-        f16_block(x, m, w, p0, p1, ptr);
-    });
-    out
+    // SAFETY: the panel ranges cover every column, and each panel writes all rows.
+    unsafe {
+        written_by(m * w.n, |ptr| {
+            for_each_panel_range(w.n.div_ceil(PANEL), 4, |p0, p1| {
+                #[cfg(target_arch = "x86_64")]
+                if use_avx512 {
+                    crate::kernels::avx512_packed::block_of(x, m, w.k, w.n, w.data.as_ptr(), p0, p1, ptr);
+                    return;
+                }
+                let _ = use_avx512;
+                f16_block(x, m, w, p0, p1, ptr);
+            })
+        })
+    }
 }
 
 /// Portable f16 kernel: the same single FMA chain per output as the AVX-512 one.
@@ -551,11 +553,10 @@ fn quantize_row(x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [i32]) {
 unsafe fn quantize_row_avx512(x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [i32]) {
     use std::arch::x86_64::*;
     let magic = _mm512_set1_ps(12582912.0);
-    let sign = _mm512_set1_ps(-0.0);
     for (b, (d, sum)) in d.iter_mut().zip(sum.iter_mut()).enumerate() {
         let p = x.as_ptr().add(b * QK);
         let (lo, hi) = (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16)));
-        let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, lo), _mm512_andnot_ps(sign, hi)));
+        let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
         let scale = amax / 127.0;
         let id = _mm512_set1_ps(if scale != 0.0 { 1.0 / scale } else { 0.0 });
         let round = |v: __m512| _mm512_cvtps_epi32(_mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(v, id), magic), magic));
@@ -571,19 +572,21 @@ unsafe fn quantize_row_avx512(x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut 
 fn matmul_quant(x: &[f32], m: usize, w: &PackedQuant) -> Vec<f32> {
     assert_eq!(x.len(), m * w.k, "x has {} values, expected {m}x{}", x.len(), w.k);
     let acts = quantize_acts(x, m, w.k);
-    let mut out = vec![0f32; m * w.n];
-    let ptr = OutPtr(out.as_mut_ptr());
     let vnni = vnni();
-    for_each_panel_range(w.n.div_ceil(PANEL), 2, |p0, p1| {
-        #[cfg(target_arch = "x86_64")]
-        if vnni {
-            unsafe { avx512_quant::block(&acts, m, w, p0, p1, ptr) };
-            return;
-        }
-        let _ = vnni;
-        quant_block(&acts, m, w, p0, p1, ptr);
-    });
-    out
+    // SAFETY: the panel ranges cover every column, and each panel writes all rows.
+    unsafe {
+        written_by(m * w.n, |ptr| {
+            for_each_panel_range(w.n.div_ceil(PANEL), 2, |p0, p1| {
+                #[cfg(target_arch = "x86_64")]
+                if vnni {
+                    avx512_quant::block(&acts, m, w, p0, p1, ptr);
+                    return;
+                }
+                let _ = vnni;
+                quant_block(&acts, m, w, p0, p1, ptr);
+            })
+        })
+    }
 }
 
 fn vnni() -> bool {
