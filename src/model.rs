@@ -517,10 +517,10 @@ impl Llama {
         let sin = self.sin.index_select(&pos, 0)?;
         let mut caches: Vec<&mut KvCache> = segs.iter_mut().map(|s| &mut *s.cache).collect();
         for (i, b) in self.blocks.iter().enumerate() {
-            let h = b.attn_norm.forward(&x)?;
+            let h = rms_norm(&b.attn_norm, &x)?;
             let a = b.attn.forward(&h, &cos, &sin, &spans, &mut caches, i)?;
             x = (x + a)?;
-            let h = b.mlp_norm.forward(&x)?;
+            let h = rms_norm(&b.mlp_norm, &x)?;
             let act = match &b.mlp.gate_up {
                 Some(f) if f.applies(&h)? => f.forward_joined(&h)?.apply_op1_no_bwd(&SwiGlu)?,
                 _ => (candle_nn::ops::silu(&b.mlp.gate.forward(&h)?)? * b.mlp.up.forward(&h)?)?.contiguous()?,
@@ -531,7 +531,7 @@ impl Llama {
         for (c, sp) in caches.iter_mut().zip(&spans) {
             c.append(sp.len)?;
         }
-        Ok(self.norm.forward(&x)?)
+        rms_norm(&self.norm, &x)
     }
 
     /// One forward over several independent sequences (batched decoding): each entry's `tokens`
@@ -598,8 +598,8 @@ impl Attention {
         let q = q.reshape((1, t, nh, hd))?;
         let k = k.reshape((1, t, nkv, hd))?;
         let v = v.reshape((t, nkv, hd))?;
-        let q = candle_nn::rotary_emb::rope_thd(&q, cos, sin)?.squeeze(0)?;
-        let k = candle_nn::rotary_emb::rope_thd(&k, cos, sin)?.squeeze(0)?;
+        let q = rope_thd(&q, cos, sin)?.squeeze(0)?;
+        let k = rope_thd(&k, cos, sin)?.squeeze(0)?;
         let scale = 1.0 / (hd as f32).sqrt();
         let mut outs = Vec::with_capacity(spans.len());
         for (sp, cache) in spans.iter().zip(caches.iter_mut()) {
@@ -619,6 +619,22 @@ impl Attention {
         let out = if outs.len() == 1 { outs.pop().expect("one") } else { Tensor::cat(&outs, 0)? };
         self.o.forward(&out.reshape((t, nh * hd))?)
     }
+}
+
+/// candle's RMS norm, through [`crate::kernels::RmsNormRows`] (the same bits, faster) on the CPU.
+fn rms_norm(norm: &RmsNorm, x: &Tensor) -> Result<Tensor> {
+    if x.device().is_cpu() && x.dtype() == DType::F32 && norm.weight().dtype() == DType::F32 {
+        return Ok(x.contiguous()?.apply_op2_no_bwd(norm.weight(), &crate::kernels::RmsNormRows { eps: norm.eps() as f32 })?);
+    }
+    Ok(norm.forward(x)?)
+}
+
+/// candle's `rope_thd`, through [`crate::kernels::RopeThd`] (the same bits, faster) on the CPU.
+fn rope_thd(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    if x.device().is_cpu() && x.dtype() == DType::F32 && cos.dtype() == DType::F32 && x.dim(0)? == 1 {
+        return Ok(x.contiguous()?.apply_op3_no_bwd(&cos.contiguous()?, &sin.contiguous()?, &crate::kernels::RopeThd)?);
+    }
+    Ok(candle_nn::rotary_emb::rope_thd(x, cos, sin)?)
 }
 
 /// The same attention with candle's ops, for CUDA/Metal and as a reference in tests; `k`, `v`
