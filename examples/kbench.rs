@@ -45,7 +45,7 @@ fn main() {
             }
             times.sort_by(|a, b| a.total_cmp(b));
             let (med, best) = (times[times.len() / 2], times[0]);
-            line += &format!("  m={m} {:.2} ms {:.0} GB/s ({:.0})", med * 1e3, bytes / med / 1e9, bytes / best / 1e9);
+            line += &format!("  m={m} {:.3} ms {:.0} GB/s ({:.0})", med * 1e3, bytes / med / 1e9, bytes / best / 1e9);
         }
         println!("{line}");
     }
