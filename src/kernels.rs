@@ -494,6 +494,17 @@ pub(crate) mod avx512_packed {
                 // The first tile of each slice fetches the next slice while the rest compute.
                 tile::<E, 6, NR, true>(x, k, w, 0, p, n, out, k0, k1);
                 i = 6;
+            } else if m > 1 {
+                // One tile of 2-6 rows: it fetches ahead too (the arithmetic of extra rows
+                // otherwise stalls the stream; one row leaves it to the hardware prefetcher).
+                match m {
+                    6 => tile::<E, 6, NR, true>(x, k, w, 0, p, n, out, k0, k1),
+                    5 => tile::<E, 5, NR, true>(x, k, w, 0, p, n, out, k0, k1),
+                    4 => tile::<E, 4, NR, true>(x, k, w, 0, p, n, out, k0, k1),
+                    3 => tile::<E, 3, NR, true>(x, k, w, 0, p, n, out, k0, k1),
+                    _ => tile::<E, 2, NR, true>(x, k, w, 0, p, n, out, k0, k1),
+                }
+                i = m;
             }
             while i + 6 <= m {
                 tile::<E, 6, NR, false>(x, k, w, i, p, n, out, k0, k1);
