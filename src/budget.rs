@@ -99,8 +99,9 @@ pub struct Budget {
 /// right about half the time a step seldom gains more than a token or two, so nodes past this
 /// cost are grown only to be cut. Measured here: 4-bit SmolLM2 affords 4–5 nodes (cost(4) ≈
 /// 1.3×) and `auto:4+lookup:3` ran at 1.12× plain against 1.03× for 16; f32 affords about 7, and
-/// `auto:6`/`auto:8` ran at 1.45×/1.42× against 1.39× (same runs, 12 prompts). A GPU's flat
-/// curve keeps all 16.
+/// `auto:6`/`auto:8` ran at 1.45×/1.42× against 1.39× (same runs, 12 prompts, a 2-core Zen4).
+/// After the f32 kernel learned to overlap rows with the weight stream, f32 affords 12–14 nodes
+/// (a 2-core Xeon) and `auto+lookup:6` ran at 1.70×. A GPU's flat curve keeps all 16.
 pub const AFFORDABLE_COST: f64 = 1.5;
 
 impl Budget {
