@@ -238,6 +238,11 @@ enum Command {
         /// Draft layer: weight of the feature-regression loss next to the token loss (EAGLE uses 1).
         #[arg(long, default_value_t = 0.0)]
         feature_weight: f64,
+        /// Train nothing: print the held-out accuracy of the drafter in --init on the chunks
+        /// this run's data, --seq-len, --seed, --val-fraction and --heads/--unroll hold out
+        /// (hidden states of those chunks only), to compare drafters on one validation set.
+        #[arg(long, requires = "init")]
+        validate_only: bool,
         /// Start from the trained heads or draft layer in this directory (same kind and shape;
         /// its draft vocabulary is kept) instead of fresh weights: fine-tune on new data, or
         /// train more epochs with a new schedule.
@@ -506,7 +511,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Train {
             model, data, out, heads, layers, own_lm_head, epochs, lr, seq_len, batch_tokens, loss, decay,
             val_fraction, warmup, checkpoint_every, seed, resume, cache_hidden, max_steps, draft_vocab, no_root_token,
-            draft_layer, unroll, feature_weight, init,
+            draft_layer, unroll, feature_weight, init, validate_only,
         } => {
             let cfg = TrainConfig {
                 num_heads: heads,
@@ -553,6 +558,25 @@ fn run(cli: Cli) -> Result<()> {
                 if quiet { eprintln!("{s}") } else { bar.println(s) }
             };
             let t0 = std::time::Instant::now();
+            if validate_only {
+                bar.finish_and_clear();
+                let v = if cfg.draft_layer {
+                    selfspec::train_layer::held_out_layer_accuracy(&target, &docs, &cfg, cache_hidden.as_deref(), &mut |s| eprintln!("{s}"))?
+                } else {
+                    selfspec::train::held_out_accuracy(&target, &docs, &cfg, cache_hidden.as_deref(), &mut |s| eprintln!("{s}"))?
+                };
+                println!(
+                    "{} in {}: held-out top-1 {:?} top-5 {:?} per {} over {} positions (vs the target's own greedy tokens), {:.0}s",
+                    if cfg.draft_layer { "draft layer" } else { "heads" },
+                    cfg.init.as_ref().expect("clap requires --init").display(),
+                    fmt_acc(&v.top1),
+                    fmt_acc(&v.top5),
+                    if cfg.draft_layer { "level" } else { "head" },
+                    v.positions,
+                    t0.elapsed().as_secs_f64()
+                );
+                return Ok(());
+            }
             let trained = if cfg.draft_layer {
                 let (l, r) = selfspec::train_layer::train_layer(&target, &docs, &cfg, &out, resume, cache_hidden.as_deref(), &mut prog, &mut log)?;
                 (Drafter::Layer(l), r)
@@ -780,4 +804,8 @@ mod tests {
             assert_eq!(mi_option_get(MI_OPTION_PURGE_DELAY), -1);
         }
     }
+}
+
+fn fmt_acc(v: &[f64]) -> Vec<String> {
+    v.iter().map(|x| format!("{x:.3}")).collect()
 }

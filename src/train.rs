@@ -134,7 +134,7 @@ impl TrainConfig {
 }
 
 /// Per-head accuracy on held-out text, against the target's own greedy next tokens.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct HeadAccuracy {
     pub positions: usize,
     pub top1: Vec<f64>,
@@ -533,7 +533,10 @@ pub(crate) struct Prepared {
     pub hidden_secs: f64,
 }
 
-pub(crate) fn prepare(target: &Target, docs: &[Document], cfg: &TrainConfig, min_len: usize, cache_hidden: Option<&Path>, log: &mut dyn FnMut(String)) -> Result<Prepared> {
+/// Chunk the corpus, hold out the validation chunks, and compute (or read from the cache) the
+/// backbone's hidden states. `with_train: false` computes them for the held-out chunks only,
+/// for measuring a trained drafter on the very chunks a run held out without paying for the rest.
+pub(crate) fn prepare(target: &Target, docs: &[Document], cfg: &TrainConfig, min_len: usize, cache_hidden: Option<&Path>, with_train: bool, log: &mut dyn FnMut(String)) -> Result<Prepared> {
     let chunks = chunk_documents(target, docs, cfg.seq_len, min_len)?;
     if chunks.is_empty() {
         return Err(Error::InvalidArgument(format!("the corpus gives no chunk of at least {min_len} tokens")));
@@ -563,7 +566,7 @@ pub(crate) fn prepare(target: &Target, docs: &[Document], cfg: &TrainConfig, min
     let with_h = |ids: &[usize]| -> Result<Vec<Example>> {
         ids.iter().map(|&i| Ok(Example { chunk: chunks[i].clone(), h: hidden_states(target, &chunks[i].tokens, cache.as_ref())? })).collect()
     };
-    let train_set = with_h(train_ids)?;
+    let train_set = if with_train { with_h(train_ids)? } else { Vec::new() };
     let val_set = with_h(val_ids)?;
     let hidden_secs = t_hidden.elapsed().as_secs_f64();
     let train_tokens: usize = train_set.iter().map(|c| c.tokens().len()).sum();
@@ -664,7 +667,7 @@ pub fn train(
     cfg.validate()?;
     std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
     let k_heads = cfg.num_heads;
-    let Prepared { train_set, val_set, train_tokens, val_tokens, hidden_secs } = prepare(target, docs, cfg, k_heads + 3, cache_hidden, log)?;
+    let Prepared { train_set, val_set, train_tokens, val_tokens, hidden_secs } = prepare(target, docs, cfg, k_heads + 3, cache_hidden, true, log)?;
     let (per_epoch, batches_for_epoch) = epoch_batches(&train_set, cfg);
     let total_steps = per_epoch * cfg.epochs;
 
@@ -729,6 +732,18 @@ pub fn train(
     let mut heads = heads;
     heads.set_draft_format(target.model.weight_format())?;
     Ok((heads, report))
+}
+
+/// Held-out accuracy of the heads in `cfg.init` on the chunks a `train` run with `cfg` and
+/// these `docs` holds out (the split is by content and seed), without computing the training
+/// chunks' hidden states: how later heads are compared on an earlier run's validation set.
+pub fn held_out_accuracy(target: &Target, docs: &[Document], cfg: &TrainConfig, cache_hidden: Option<&Path>, log: &mut dyn FnMut(String)) -> Result<HeadAccuracy> {
+    let dir = cfg.init.as_deref().ok_or_else(|| Error::InvalidArgument("--validate-only needs --init: the drafter to measure".into()))?;
+    let Prepared { val_set, .. } = prepare(target, docs, cfg, cfg.num_heads + 3, cache_hidden, false, log)?;
+    if val_set.is_empty() {
+        return Err(Error::InvalidArgument("no validation chunk: raise --val-fraction".into()));
+    }
+    validate(&Heads::from_dir(dir, target)?, target, &val_set)
 }
 
 /// What [`run_steps`] needs to know about a run besides the drafter.

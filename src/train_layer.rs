@@ -128,6 +128,23 @@ pub fn validate_layer(layer: &TrainLayer, ids: &[u32], target: &Target, chunks: 
 }
 
 /// Train a draft layer on `docs`, writing checkpoints into `out`.
+/// Held-out accuracy per level of the draft layer in `cfg.init` on the chunks a `train
+/// --draft-layer` run with `cfg` and these `docs` holds out, computing hidden states for those
+/// chunks only (see [`crate::train::held_out_accuracy`]).
+pub fn held_out_layer_accuracy(target: &Target, docs: &[Document], cfg: &TrainConfig, cache_hidden: Option<&Path>, log: &mut dyn FnMut(String)) -> Result<HeadAccuracy> {
+    let dir = cfg.init.as_deref().ok_or_else(|| Error::InvalidArgument("--validate-only needs --init: the drafter to measure".into()))?;
+    let Prepared { val_set, .. } = prepare(target, docs, cfg, cfg.unroll + 2, cache_hidden, false, log)?;
+    if val_set.is_empty() {
+        return Err(Error::InvalidArgument("no validation chunk: raise --val-fraction".into()));
+    }
+    let from = DraftLayer::from_dir(dir, target)?;
+    let ids = from.draft_vocab().to_vec();
+    let varmap = VarMap::new();
+    let layer = TrainLayer::init(&varmap, DraftLayerConfig::for_target(target, ids.len())?, &ids, &target.model, cfg.seed)?;
+    crate::train::warm_start(&varmap, from.weights(), dir)?;
+    validate_layer(&layer, &ids, target, &val_set)
+}
+
 #[allow(clippy::too_many_arguments)]
 pub fn train_layer(
     target: &Target,
@@ -144,7 +161,7 @@ pub fn train_layer(
         return Err(Error::InvalidArgument("train_layer needs a draft-layer configuration".into()));
     }
     std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
-    let Prepared { train_set, val_set, train_tokens, val_tokens, hidden_secs } = prepare(target, docs, cfg, cfg.unroll + 2, cache_hidden, log)?;
+    let Prepared { train_set, val_set, train_tokens, val_tokens, hidden_secs } = prepare(target, docs, cfg, cfg.unroll + 2, cache_hidden, true, log)?;
     let (per_epoch, batches_for_epoch) = epoch_batches(&train_set, cfg);
     let total_steps = per_epoch * cfg.epochs;
     let device = target.model.device().clone();

@@ -206,6 +206,11 @@ fn layer_training_learns_resumes_and_round_trips() {
     assert_eq!(warm.draft_vocab(), full.draft_vocab());
     let (wf, ww) = (saved(&full, &scratch("layer-w-f2")), saved(&warm, &scratch("layer-w-warm")));
     assert!(wf.iter().zip(&ww).all(|(a, b)| a.0 == b.0 && a.1.iter().zip(&b.1).all(|(x, y)| (x - y).abs() <= 1e-6)), "warm start did not load the layer");
+    // Measuring the saved layer alone on the run's held-out chunks gives the run's own final
+    // validation (same chunks, same weights); a drafter is needed.
+    let v = selfspec::train_layer::held_out_layer_accuracy(&t, &corpus(), &TrainConfig { init: Some(init.clone()), ..quick_cfg() }, None, &mut |_| {}).unwrap();
+    assert_eq!(v, rep.val.last().unwrap().clone());
+    assert!(selfspec::train_layer::held_out_layer_accuracy(&t, &corpus(), &quick_cfg(), None, &mut |_| {}).is_err());
     // A directory without a layer is refused by name.
     let e = train_layer(&t, &corpus(), &TrainConfig { init: Some(scratch("layer-train-empty")), ..cont }, &scratch("layer-train-x"), false, None, &mut |_, _, _, _, _| {}, &mut |_| {})
         .err()

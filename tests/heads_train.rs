@@ -231,6 +231,22 @@ fn training_can_start_from_trained_heads() {
     assert!(e.contains("heads-init-a-out") && e.contains("--init"), "{e}");
 }
 
+/// `--validate-only`: the saved heads measured alone on a run's held-out chunks score what the
+/// run's own last validation scored, and nothing is measured without a drafter to measure.
+#[test]
+fn held_out_accuracy_repeats_the_runs_validation() {
+    let (_, t) = tiny_gguf("heads-heldout", 26);
+    let cfg = TrainConfig { epochs: 2, draft_vocab: 20, loss: LossKind::Soft, ..quick_cfg() };
+    let (h, rep) = run(&t, &cfg, &scratch("heads-heldout-run"), false);
+    let dir = scratch("heads-heldout-out");
+    h.save(&dir).unwrap();
+    let v = selfspec::train::held_out_accuracy(&t, &corpus(), &TrainConfig { init: Some(dir), ..cfg.clone() }, None, &mut |_| {}).unwrap();
+    assert_eq!(v, rep.val.last().unwrap().clone());
+    assert!(v.top1.iter().any(|&a| a > 0.0), "{v:?}");
+    let e = selfspec::train::held_out_accuracy(&t, &corpus(), &cfg, None, &mut |_| {}).err().unwrap().to_string();
+    assert!(e.contains("--init"), "{e}");
+}
+
 #[test]
 fn corpus_errors_are_clear() {
     let (p, _) = tiny_gguf("train-cli", 25);
