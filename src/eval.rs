@@ -148,6 +148,8 @@ pub struct EvalOptions<'a> {
     pub params: SamplingParams,
     pub max_tokens: usize,
     pub seed: u64,
+    /// A second source for `+lookup` branches (see [`crate::datastore`]).
+    pub datastore: Option<&'a crate::datastore::Datastore>,
     pub progress: &'a mut dyn FnMut(usize, usize),
 }
 
@@ -190,7 +192,7 @@ pub fn evaluate(target: &Target, drafter: &Drafter, prompts: &[PromptItem], opts
             let mut specs = Vec::new();
             let mut identical = Vec::new();
             for (j, plan) in plans.iter().enumerate() {
-                let so = SpecOptions { tree: plan.tree.clone(), lookup: plan.lookup, rule, params: opts.params.clone(), stop: StopRule { max_new_tokens: opts.max_tokens, eos_ids: &eos } };
+                let so = SpecOptions { tree: plan.tree.clone(), lookup: plan.lookup, datastore: opts.datastore, rule, params: opts.params.clone(), stop: StopRule { max_new_tokens: opts.max_tokens, eos_ids: &eos } };
                 let (out, st) = generate_spec(&target.model, drafter, &ids, &so, &mut rng(seed), &mut |_| Ok(()))?;
                 identical.push(if greedy { Some(out == plain_out) } else { None });
                 if pi == 0 && ti == 0 && j == 0 {

@@ -8,6 +8,7 @@
 pub mod bench;
 pub mod budget;
 pub mod data;
+pub mod datastore;
 pub mod distill;
 pub mod draft_layer;
 pub mod drafter;

@@ -7,6 +7,7 @@
 //! features and is right elsewhere, so the two are combined: the copied continuation becomes one
 //! more branch of the step's tree, merged into the drafter's nodes where they agree. It is a
 //! function of the emitted text alone, so both acceptance rules stay exact.
+use crate::datastore::Datastore;
 use crate::tree::Tree;
 use crate::{Error, Result};
 
@@ -65,6 +66,11 @@ impl Lookup {
     /// The tokens that followed the latest earlier occurrence of the context's longest matching
     /// suffix; empty when none occurs.
     pub fn continuation(&self, context: &[u32]) -> Vec<u32> {
+        self.matched_continuation(context).1
+    }
+
+    /// [`Lookup::continuation`] with the length of the suffix it matched (0: none).
+    pub fn matched_continuation(&self, context: &[u32]) -> (usize, Vec<u32>) {
         let len = context.len();
         for n in (self.min_match.max(1)..=self.max_match).rev() {
             if len <= n {
@@ -73,20 +79,34 @@ impl Lookup {
             let suffix = &context[len - n..];
             // Latest first: recent text is the likeliest to repeat.
             if let Some(s) = (0..len - n).rev().find(|&s| &context[s..s + n] == suffix) {
-                return context[s + n..].iter().take(self.max_tokens).copied().collect();
+                return (n, context[s + n..].iter().take(self.max_tokens).copied().collect());
             }
         }
-        Vec::new()
+        (0, Vec::new())
     }
 
-    /// Graft the continuation of `context` under the root of `tree`: follow the drafter's nodes
-    /// while they hold the same tokens, then add the rest as a chain, up to `max_nodes` nodes in
-    /// all. Returns the copied branch: the node holding each copied token, the drafter's where
-    /// it merged (new nodes are the ones past the tree's old length).
-    pub fn graft(&self, tree: &mut Tree, tokens: &mut Vec<u32>, context: &[u32], max_nodes: usize) -> Vec<usize> {
+    /// What the step copies: the context's continuation, or the datastore's where that matched
+    /// a longer suffix of the text (more evidence; on a tie the context, which is about this
+    /// very answer).
+    pub fn copy(&self, context: &[u32], datastore: Option<&Datastore>) -> Vec<u32> {
+        let (n, own) = self.matched_continuation(context);
+        match datastore {
+            Some(ds) => {
+                let (m, stored) = ds.continuation(context, self.max_tokens);
+                if m > n && !stored.is_empty() { stored } else { own }
+            }
+            None => own,
+        }
+    }
+
+    /// Graft `copied` under the root of `tree`: follow the drafter's nodes while they hold the
+    /// same tokens, then add the rest as a chain, up to `max_nodes` nodes in all. Returns the
+    /// copied branch: the node holding each copied token, the drafter's where it merged (new
+    /// nodes are the ones past the tree's old length).
+    pub fn graft(tree: &mut Tree, tokens: &mut Vec<u32>, copied: &[u32], max_nodes: usize) -> Vec<usize> {
         let mut at = 0;
         let mut branch = Vec::new();
-        for tok in self.continuation(context) {
+        for &tok in copied {
             if let Some(&c) = tree.node(at).children.iter().find(|&&c| tokens[c] == tok) {
                 at = c;
             } else if tree.len() < max_nodes {
@@ -127,7 +147,7 @@ mod tests {
         let mut tokens: Vec<u32> = order.iter().map(|p| match p.as_slice() { [] => 5, [0] => 8, [1] => 6, _ => 2 }).collect();
         // Context "5 6 2 4 1 5": after the last 5 came 6 2 4 1.
         let before = tree.len();
-        let branch = l.graft(&mut tree, &mut tokens, &[5, 6, 2, 4, 1, 5], 100);
+        let branch = Lookup::graft(&mut tree, &mut tokens, &l.copy(&[5, 6, 2, 4, 1, 5], None), 100);
         assert_eq!(tree.len() - before, 2, "6 and 2 are the drafter's nodes; 4 and 1 are new");
         assert_eq!(tree.len(), 6);
         assert_eq!(branch.iter().map(|&i| tokens[i]).collect::<Vec<_>>(), vec![6, 2, 4, 1]);
@@ -139,8 +159,24 @@ mod tests {
         // The node budget is respected.
         let mut small = Tree::from_paths(&[]).unwrap();
         let mut toks = vec![5];
-        assert_eq!(l.graft(&mut small, &mut toks, &[5, 6, 2, 4, 1, 5], 3), vec![1, 2]);
+        assert_eq!(Lookup::graft(&mut small, &mut toks, &l.copy(&[5, 6, 2, 4, 1, 5], None), 3), vec![1, 2]);
         assert_eq!(small.len(), 3);
+    }
+
+    #[test]
+    fn copies_from_the_datastore_only_on_a_longer_match() {
+        let l = Lookup { max_tokens: 3, min_match: 2, max_match: 4 };
+        let mut ds = Datastore::from_sequences(vec![vec![4, 7, 8, 1, 2, 3], vec![9, 7, 8, 1, 2, 3], vec![5, 8, 1, 2, 6]]).unwrap();
+        ds.min_share = 0.0;
+        // The context holds "8 1 ... 8 1": a 2-token match, continued by 9. The store matches
+        // "7 8 1" (3 tokens) twice, continued by 2 3.
+        let ctx = [8, 1, 9, 5, 7, 8, 1];
+        assert_eq!(l.matched_continuation(&ctx), (2, vec![9, 5, 7]));
+        assert_eq!(l.copy(&ctx, None), vec![9, 5, 7]);
+        assert_eq!(l.copy(&ctx, Some(&ds)), vec![2, 3]);
+        // Where the context's own match is as long, it wins.
+        let ctx = [7, 8, 1, 4, 7, 8, 1];
+        assert_eq!(l.copy(&ctx, Some(&ds)), vec![4, 7, 8]);
     }
 
     #[test]

@@ -125,6 +125,12 @@ struct SpecArgs {
     /// Medusa's typical acceptance. LOSSY: the output no longer follows the target's distribution.
     #[arg(long)]
     lossy_typical: bool,
+    /// Text the +lookup branch may also copy from (REST-style retrieval): files or
+    /// directories as `train --data` takes them, e.g. the self-distilled answers in
+    /// training/data. Where its longest match with the text so far beats the context's, the
+    /// branch copies what most often followed it there.
+    #[arg(long, num_args = 1..)]
+    datastore: Vec<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -274,6 +280,12 @@ enum Command {
         out: Option<PathBuf>,
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// Text the +lookup branch may also copy from (REST-style retrieval): files or
+        /// directories as `train --data` takes them, e.g. the self-distilled answers in
+        /// training/data. Where its longest match with the text so far beats the context's, the
+        /// branch copies what most often followed it there.
+        #[arg(long, num_args = 1..)]
+        datastore: Vec<PathBuf>,
     },
     /// Measure head accuracies and this device's forward costs; write the tree that maximises
     /// expected speed-up.
@@ -294,6 +306,12 @@ enum Command {
         /// Prompts used afterwards to measure the chosen tree against plain decoding.
         #[arg(long, default_value_t = 6)]
         check_prompts: usize,
+        /// Text the +lookup branch may also copy from (REST-style retrieval): files or
+        /// directories as `train --data` takes them, e.g. the self-distilled answers in
+        /// training/data. Where its longest match with the text so far beats the context's, the
+        /// branch copies what most often followed it there.
+        #[arg(long, num_args = 1..)]
+        datastore: Vec<PathBuf>,
     },
     /// Re-save heads: in the FasterDecoding/Medusa format (vLLM, TGI), or as f16 or f32 selfspec heads;
     /// a draft layer as f32, f16 or q8 (8-bit blocks, a quarter of f32).
@@ -453,7 +471,8 @@ fn run(cli: Cli) -> Result<()> {
                 }
                 Some(heads) => {
                     let rule = Rule::for_params(&params, spec.lossy_typical);
-                    let opts = SpecOptions { tree: plan.tree, lookup: plan.lookup, rule, params: params.clone(), stop };
+                    let ds = load_datastore(&target, &spec.datastore)?;
+                    let opts = SpecOptions { tree: plan.tree, lookup: plan.lookup, datastore: ds.as_ref(), rule, params: params.clone(), stop };
                     let (spec_out, stats) = generate_spec(&target.model, heads, &ids, &opts, &mut r, &mut print)?;
                     finish_stream(&mut stream, &mut stdout)?;
                     eprintln!("{}", spec_summary(&stats, spec.lossy_typical));
@@ -622,7 +641,7 @@ fn run(cli: Cli) -> Result<()> {
                 out.display()
             );
         }
-        Command::Eval { model, heads, prompts, tree, temperature, max_tokens, limit, out, seed } => {
+        Command::Eval { model, heads, prompts, tree, temperature, max_tokens, limit, out, seed, datastore } => {
             let params = SamplingParams { temperature, ..Default::default() };
             params.validate()?;
             if max_tokens == 0 {
@@ -640,7 +659,8 @@ fn run(cli: Cli) -> Result<()> {
             }
             let bar = progress(items.iter().map(|i| i.turns.len() as u64).sum(), "eval");
             let mut prog = |done: usize, _total: usize| bar.set_position(done as u64);
-            let mut opts = EvalOptions { trees, params, max_tokens, seed, progress: &mut prog };
+            let ds = load_datastore(&target, &datastore)?;
+            let mut opts = EvalOptions { trees, params, max_tokens, seed, datastore: ds.as_ref(), progress: &mut prog };
             let mut report = evaluate(&target, &h, &items, &mut opts)?;
             bar.finish_and_clear();
             report.heads = heads.display().to_string();
@@ -653,7 +673,7 @@ fn run(cli: Cli) -> Result<()> {
                 eprintln!("wrote {0}.json, {0}.md, {0}.svg", prefix.display());
             }
         }
-        Command::Tune { model, heads, prompts, out, max_nodes, max_tokens, check_prompts } => {
+        Command::Tune { model, heads, prompts, out, max_nodes, max_tokens, check_prompts, datastore } => {
             if max_nodes < 2 {
                 bail!("--max-nodes must be at least 2");
             }
@@ -703,7 +723,8 @@ fn run(cli: Cli) -> Result<()> {
             // The default tree, cut per step by this device's costs, for comparison: a static
             // tree is worth keeping only if it beats it.
             plans.push((DEFAULT_TREE.to_string(), Plan::parse(DEFAULT_TREE)?));
-            let mut opts = EvalOptions { trees: plans, params: SamplingParams::greedy(), max_tokens, seed: 1, progress: &mut |_, _| {} };
+            let ds = load_datastore(&target, &datastore)?;
+            let mut opts = EvalOptions { trees: plans, params: SamplingParams::greedy(), max_tokens, seed: 1, datastore: ds.as_ref(), progress: &mut |_, _| {} };
             let report = evaluate(&target, &h, &check, &mut opts)?;
             for (name, s) in report.trees.iter().zip(&report.overall) {
                 println!("measured {name}: tau {:.2} tokens/forward (bonus counted), speed-up {:.2}x ({:.1} vs {:.1} tok/s)", s.tau, s.speedup, s.spec_tok_s_median, s.plain_tok_s_median);
@@ -808,4 +829,15 @@ mod tests {
 
 fn fmt_acc(v: &[f64]) -> Vec<String> {
     v.iter().map(|x| format!("{x:.3}")).collect()
+}
+
+/// The `--datastore` files indexed for copying, if any were named.
+fn load_datastore(target: &Target, paths: &[PathBuf]) -> Result<Option<selfspec::datastore::Datastore>> {
+    if paths.is_empty() {
+        return Ok(None);
+    }
+    let t0 = std::time::Instant::now();
+    let ds = selfspec::datastore::Datastore::from_corpus(target, paths)?;
+    eprintln!("datastore: {} tokens indexed in {:.1}s", ds.len(), t0.elapsed().as_secs_f64());
+    Ok(Some(ds))
 }

@@ -6,6 +6,7 @@ use std::time::Instant;
 use crate::budget::{Budget, Calibration, CostCurve, Draft};
 
 use crate::generate::{check_budget, prefill, GenStats, StopRule};
+use crate::datastore::Datastore;
 use crate::lookup::Lookup;
 use crate::drafter::Drafter;
 use crate::model::{row_to_vec, Llama};
@@ -135,6 +136,9 @@ pub struct SpecOptions<'a> {
     pub tree: TreeChoice,
     /// Graft a continuation copied from the context onto every tree.
     pub lookup: Option<Lookup>,
+    /// A second source for the copied branch: the target's own earlier answers. Used only with
+    /// `lookup`, whose token count it shares.
+    pub datastore: Option<&'a Datastore>,
     pub rule: Rule,
     pub params: SamplingParams,
     pub stop: StopRule<'a>,
@@ -187,7 +191,7 @@ pub fn generate_spec(
         // The lookup grafts its nodes after the drafter's; `branch` is the copied path.
         let drafted_nodes = tree.len();
         let branch = match &opts.lookup {
-            Some(l) => l.graft(&mut tree, &mut tokens, &history, max_pos - committed),
+            Some(l) => Lookup::graft(&mut tree, &mut tokens, &l.copy(&history, opts.datastore), max_pos - committed),
             None => Vec::new(),
         };
         let mut draft = Draft { tree, tokens, scores: proposal.scores, drafted_nodes, branch };

@@ -84,7 +84,7 @@ fn drafting_with_a_layer_keeps_greedy_output_exact() {
         let stop = StopRule { max_new_tokens: 40, eos_ids: &[] };
         let (plain, _) = generate_plain(&t.model, prompt, &params, &stop, &mut rng(0), &mut |_| Ok(())).unwrap();
         for tree in &trees {
-            let opts = SpecOptions { tree: tree.clone(), lookup: None, rule: Rule::Greedy, params: params.clone(), stop: StopRule { max_new_tokens: 40, eos_ids: &[] } };
+            let opts = SpecOptions { tree: tree.clone(), lookup: None, datastore: None, rule: Rule::Greedy, params: params.clone(), stop: StopRule { max_new_tokens: 40, eos_ids: &[] } };
             let (out, stats) = generate_spec(&t.model, &drafter, prompt, &opts, &mut rng(0), &mut |_| Ok(())).unwrap();
             assert_eq!(out, plain, "prompt {p}, tree {tree:?}");
             assert!(stats.gen.target_forwards <= plain.len());

@@ -35,6 +35,7 @@ fn eval_reports_tau_identity_and_files() {
         params: SamplingParams::greedy(),
         max_tokens: 12,
         seed: 1,
+        datastore: None,
         progress: &mut prog,
     };
     let r = evaluate(&t, &selfspec::drafter::Drafter::Heads(heads), &prompts(), &mut opts).unwrap();

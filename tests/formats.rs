@@ -181,7 +181,7 @@ fn smollm2_every_format_stays_close_and_greedy_speculation_stays_exact() {
             let ids = t.encode_prompt(&item.turns[0], true).unwrap();
             let stop = StopRule { max_new_tokens: 64, eos_ids: &t.tokenizer.eos_ids };
             let (plain, _) = generate_plain(&t.model, &ids, &params, &stop, &mut rng(0), &mut |_| Ok(())).unwrap();
-            let opts = SpecOptions { tree: TreeChoice::Static(Tree::cpu_default()), lookup: None, rule: Rule::Greedy, params: params.clone(), stop: StopRule { max_new_tokens: 64, eos_ids: &t.tokenizer.eos_ids } };
+            let opts = SpecOptions { tree: TreeChoice::Static(Tree::cpu_default()), lookup: None, datastore: None, rule: Rule::Greedy, params: params.clone(), stop: StopRule { max_new_tokens: 64, eos_ids: &t.tokenizer.eos_ids } };
             let (spec, stats) = generate_spec(&t.model, &heads, &ids, &opts, &mut rng(0), &mut |_| Ok(())).unwrap();
             assert_eq!(spec, plain, "{f}: speculative output differs from plain greedy for {:?}", item.turns[0]);
             forwards += stats.gen.target_forwards;

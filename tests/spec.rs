@@ -142,7 +142,7 @@ fn auto_tree(max_nodes: usize) -> TreeChoice {
 
 #[allow(clippy::too_many_arguments)]
 fn sample_runs(model: &Llama, heads: &Drafter, prompt: &[u32], params: &SamplingParams, rule: Rule, tree: TreeChoice, lookup: Option<Lookup>, n: usize) -> Vec<usize> {
-    let opts = SpecOptions { tree, lookup, rule, params: params.clone(), stop: StopRule { max_new_tokens: 3, eos_ids: &[] } };
+    let opts = SpecOptions { tree, lookup, datastore: None, rule, params: params.clone(), stop: StopRule { max_new_tokens: 3, eos_ids: &[] } };
     let mut counts = vec![0usize; 16 * 16 * 16];
     // One thread: this model is tiny, and waking workers for each of its ops costs more than the
     // ops (the results are the same bits either way).
@@ -210,7 +210,7 @@ fn greedy_self_speculation_is_identical_to_plain_greedy() {
         let (plain, _) = generate_plain(&t.model, &ids, &params, &stop, &mut rng(0), &mut |_| Ok(())).unwrap();
         tokens += plain.len();
         for (j, (name, tree)) in trees.iter().enumerate() {
-            let opts = SpecOptions { tree: TreeChoice::Static(tree.clone()), lookup: None, rule: Rule::Greedy, params: params.clone(), stop: StopRule { max_new_tokens: 128, eos_ids: &t.tokenizer.eos_ids } };
+            let opts = SpecOptions { tree: TreeChoice::Static(tree.clone()), lookup: None, datastore: None, rule: Rule::Greedy, params: params.clone(), stop: StopRule { max_new_tokens: 128, eos_ids: &t.tokenizer.eos_ids } };
             let (spec, stats) = generate_spec(&t.model, &heads, &ids, &opts, &mut rng(0), &mut |_| Ok(())).unwrap();
             assert_eq!(spec, plain, "prompt {i} ({}), tree {name}: self-speculative output differs from plain greedy", item.turns[0]);
             forwards[j] += stats.gen.target_forwards;
@@ -241,20 +241,32 @@ fn greedy_speculation_with_the_committed_draft_layer_is_exact() {
         (TreeChoice::Dynamic(6), lookup),
         (auto_tree(12), lookup),
     ];
+    // The datastore: the target's own answers to distill8's prompts (none of them an eval prompt).
+    let ds = selfspec::datastore::Datastore::from_corpus(&t, &[PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/data/distill8-smollm2.jsonl")]).unwrap();
     let (mut forwards, mut tokens, mut copied) = (0usize, 0usize, 0usize);
+    let (mut copied_ctx, mut copied_ds) = (0usize, 0usize);
     for item in prompts.iter().skip(4).take(6) {
         let ids = t.encode_prompt(&item.turns[0], true).unwrap();
         let stop = StopRule { max_new_tokens: 96, eos_ids: &t.tokenizer.eos_ids };
         let (plain, _) = generate_plain(&t.model, &ids, &params, &stop, &mut rng(0), &mut |_| Ok(())).unwrap();
         for (tree, lookup) in &trees {
-            let opts = SpecOptions { tree: tree.clone(), lookup: *lookup, rule: Rule::Greedy, params: params.clone(), stop: StopRule { max_new_tokens: 96, eos_ids: &t.tokenizer.eos_ids } };
+            let opts = SpecOptions { tree: tree.clone(), lookup: *lookup, datastore: None, rule: Rule::Greedy, params: params.clone(), stop: StopRule { max_new_tokens: 96, eos_ids: &t.tokenizer.eos_ids } };
             let (spec, stats) = generate_spec(&t.model, &drafter, &ids, &opts, &mut rng(0), &mut |_| Ok(())).unwrap();
             assert_eq!(spec, plain, "{:?}, tree {tree:?}, lookup {lookup:?}: output differs from plain greedy", item.turns[0]);
             forwards += stats.gen.target_forwards;
             tokens += plain.len();
             copied += stats.lookup_accepted;
         }
+        // The same copied branch with the datastore as a second source: still exact, and it
+        // copies more that is accepted.
+        for (store, count) in [(None, &mut copied_ctx), (Some(&ds), &mut copied_ds)] {
+            let opts = SpecOptions { tree: TreeChoice::Static(Tree::chain(2)), lookup, datastore: store, rule: Rule::Greedy, params: params.clone(), stop: StopRule { max_new_tokens: 96, eos_ids: &t.tokenizer.eos_ids } };
+            let (spec, stats) = generate_spec(&t.model, &drafter, &ids, &opts, &mut rng(0), &mut |_| Ok(())).unwrap();
+            assert_eq!(spec, plain, "{:?}, datastore {}: output differs from plain greedy", item.turns[0], store.is_some());
+            *count += stats.lookup_accepted;
+        }
     }
     assert!(forwards * 5 < tokens * 4, "{forwards} forwards for {tokens} tokens: the layer hardly drafts");
     assert!(copied > 0, "the context lookup never contributed an accepted token");
+    assert!(copied_ds > copied_ctx, "the datastore added no accepted copied token ({copied_ds} vs {copied_ctx} from the context alone)");
 }
