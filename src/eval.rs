@@ -65,6 +65,8 @@ pub struct EvalReport {
     /// "heads" or "draft layer".
     pub drafter: String,
     pub trees: Vec<String>,
+    /// Tokens in the datastore the `+lookup` branches also copied from (0: none given).
+    pub datastore_tokens: usize,
     pub temperature: f32,
     pub max_tokens: usize,
     pub overall: Vec<Summary>,
@@ -232,6 +234,7 @@ pub fn evaluate(target: &Target, drafter: &Drafter, prompts: &[PromptItem], opts
         heads: String::new(),
         drafter: drafter.kind().to_string(),
         trees: opts.trees.iter().map(|t| t.0.clone()).collect(),
+        datastore_tokens: opts.datastore.map_or(0, |d| d.len()),
         temperature: opts.params.temperature,
         max_tokens: opts.max_tokens,
         overall,
@@ -279,7 +282,11 @@ pub fn to_markdown(r: &EvalReport) -> String {
         r.turns.len()
     ));
     m.push_str("τ = tokens emitted per target forward, the bonus token counted (plain decoding = 1.0). Speed-up = median self-speculative tok/s / median plain tok/s, measured alternately in this run.\n\n");
-    m.push_str("Copied = accepted tokens per forward from the context-lookup branch (`+lookup`), part of τ.\n\n");
+    if r.datastore_tokens > 0 {
+        m.push_str(&format!("Copied = accepted tokens per forward from the copied branch (`+lookup`: from the context, or from a datastore of {} tokens of the target's earlier text where that matched a longer suffix), part of τ.\n\n", r.datastore_tokens));
+    } else {
+        m.push_str("Copied = accepted tokens per forward from the context-lookup branch (`+lookup`), part of τ.\n\n");
+    }
     m.push_str("| tree | mean nodes | τ | copied | spec tok/s | plain tok/s | speed-up | identical to plain |\n|---|---|---|---|---|---|---|---|\n");
     for (name, s) in r.trees.iter().zip(&r.overall) {
         m.push_str(&format!(
