@@ -114,22 +114,28 @@ impl Budget {
 
 /// Running correction of the drafter's probabilities: accepted nodes / predicted acceptances,
 /// with a prior of a few nodes at face value so early steps are not swung by one outcome. The
-/// lookup branch has no probabilities; its per-depth precision is counted the same way.
+/// copied branch has no probabilities; its per-depth precision is counted the same way, apart
+/// for copies from the context and from a datastore (a stock phrase from other answers is
+/// right less often than this answer repeating itself, and on a steep cost curve only the
+/// better of the two may pay).
 #[derive(Debug, Clone)]
 pub struct Calibration {
     predicted: f64,
     accepted: f64,
-    /// Per position along the copied branch: (tries, hits) where its parent was accepted.
-    lookup: Vec<(f64, f64)>,
+    /// Per source (context, datastore), per position along the copied branch: (tries, hits)
+    /// where its parent was accepted.
+    lookup: [Vec<(f64, f64)>; 2],
 }
 
 const PRIOR_NODES: f64 = 4.0;
 /// Prior precision of a copied token, from `examples/lookup.rs` on the target's own answers.
 const LOOKUP_PRIOR: f64 = 0.75;
+/// Prior precision of a token copied from the datastore: lower, until the run says otherwise.
+const STORE_PRIOR: f64 = 0.5;
 
 impl Default for Calibration {
     fn default() -> Self {
-        Calibration { predicted: PRIOR_NODES, accepted: PRIOR_NODES, lookup: Vec::new() }
+        Calibration { predicted: PRIOR_NODES, accepted: PRIOR_NODES, lookup: [Vec::new(), Vec::new()] }
     }
 }
 
@@ -138,49 +144,54 @@ impl Calibration {
         (self.accepted / self.predicted).clamp(0.2, 5.0)
     }
 
-    /// Chance that the copied token at position `j` (0-based) is accepted when its parent is.
-    pub fn lookup_precision(&self, j: usize) -> f64 {
-        let (tries, hits) = self.lookup.get(j).copied().unwrap_or((0.0, 0.0));
-        (hits + LOOKUP_PRIOR * PRIOR_NODES) / (tries + PRIOR_NODES)
+    /// Chance that the copied token at position `j` (0-based) is accepted when its parent is;
+    /// `stored`: copied from the datastore rather than the context.
+    pub fn lookup_precision(&self, stored: bool, j: usize) -> f64 {
+        let (tries, hits) = self.lookup[stored as usize].get(j).copied().unwrap_or((0.0, 0.0));
+        let prior = if stored { STORE_PRIOR } else { LOOKUP_PRIOR };
+        (hits + prior * PRIOR_NODES) / (tries + PRIOR_NODES)
     }
 
     /// Learn from one verified step: `scores` are the drafter's raw path probabilities of the
     /// kept drafter nodes, `hits` how many of them were accepted; `lookup` the copied branch's
-    /// outcome per position (tried, accepted) where its parent was accepted.
-    pub fn record(&mut self, drafted: &[f64], hits: usize, lookup: &[bool]) {
+    /// outcome per position (tried, accepted) where its parent was accepted, `stored` its source.
+    pub fn record(&mut self, drafted: &[f64], hits: usize, lookup: &[bool], stored: bool) {
         self.predicted += drafted.iter().sum::<f64>();
         self.accepted += hits as f64;
+        let counts = &mut self.lookup[stored as usize];
         for (j, &ok) in lookup.iter().enumerate() {
-            if self.lookup.len() <= j {
-                self.lookup.resize(j + 1, (0.0, 0.0));
+            if counts.len() <= j {
+                counts.resize(j + 1, (0.0, 0.0));
             }
-            self.lookup[j].0 += 1.0;
-            self.lookup[j].1 += ok as u8 as f64;
+            counts[j].0 += 1.0;
+            counts[j].1 += ok as u8 as f64;
         }
     }
 }
 
 /// One step's draft: the drafter's nodes (`0..drafted_nodes`, root included; `scores` holds
 /// their path probabilities), then the nodes the copied branch added; `branch` holds the node of
-/// each copied token (the drafter's where they merged).
+/// each copied token (the drafter's where they merged), `stored` whether it came from the
+/// datastore rather than the context.
 pub struct Draft {
     pub tree: Tree,
     pub tokens: Vec<u32>,
     pub scores: Vec<f64>,
     pub drafted_nodes: usize,
     pub branch: Vec<usize>,
+    pub stored: bool,
 }
 
 impl Calibration {
     /// Keep the part of `draft` worth verifying on a device with `costs` (see [`choose_nodes`]);
     /// `fixed_ms` is the step's cost besides the forward (drafting).
     pub fn cut(&self, draft: Draft, costs: &CostCurve, fixed_ms: f64) -> Result<Draft> {
-        let Draft { tree, tokens, scores, drafted_nodes, branch } = draft;
+        let Draft { tree, tokens, scores, drafted_nodes, branch, stored } = draft;
         let f = self.drafter_factor();
         let mut est: Vec<f64> = (0..tree.len()).map(|i| if i < drafted_nodes { scores[i] * f } else { 0.0 }).collect();
         let mut q = 1.0;
         for (j, &i) in branch.iter().enumerate() {
-            q *= self.lookup_precision(j);
+            q *= self.lookup_precision(stored, j);
             est[i] = est[i].max(q);
         }
         let keep = choose_nodes(&tree, &est, costs, fixed_ms);
@@ -194,6 +205,7 @@ impl Calibration {
             scores: keep.iter().filter(|&&i| i < drafted_nodes).map(|&i| scores[i]).collect(),
             drafted_nodes: keep.iter().filter(|&&i| i < drafted_nodes).count(),
             branch: branch.iter().map(|&i| new_of[i]).take_while(|&i| i != usize::MAX).collect(),
+            stored,
         })
     }
 
@@ -210,7 +222,7 @@ impl Calibration {
             outcome.push(accepted.contains(&i));
             parent = i;
         }
-        self.record(&draft.scores[1..draft.drafted_nodes], hits, &outcome);
+        self.record(&draft.scores[1..draft.drafted_nodes], hits, &outcome, draft.stored);
     }
 }
 
@@ -291,7 +303,7 @@ mod tests {
         // Drafter: root -> a (0.9) -> b (0.2); the lookup added c under a, copying "a c".
         let mut tree = Tree::from_paths(&[vec![0], vec![0, 0]]).unwrap();
         let c = tree.add_child(1);
-        let draft = Draft { tree, tokens: vec![5, 6, 7, 8], scores: vec![1.0, 0.9, 0.18], drafted_nodes: 3, branch: vec![1, c] };
+        let draft = Draft { tree, tokens: vec![5, 6, 7, 8], scores: vec![1.0, 0.9, 0.18], drafted_nodes: 3, branch: vec![1, c], stored: false };
         let calib = Calibration::default();
         // Each extra node costs 30%: a (0.9) and c (0.75 * 0.75, the copied prior) pay, b (0.18)
         // does not.
@@ -303,7 +315,14 @@ mod tests {
         let mut learned = calib.clone();
         learned.learn(&cut, &[0, 1]);
         assert!(learned.drafter_factor() > 1.0, "0.9 predicted, 1 accepted");
-        assert!(learned.lookup_precision(0) > LOOKUP_PRIOR && learned.lookup_precision(1) < LOOKUP_PRIOR);
+        assert!(learned.lookup_precision(false, 0) > LOOKUP_PRIOR && learned.lookup_precision(false, 1) < LOOKUP_PRIOR);
+        assert_eq!(learned.lookup_precision(true, 0), STORE_PRIOR, "the datastore's counts are apart");
+        // The same branch from the datastore starts at its lower prior: c (0.5 * 0.5) no
+        // longer pays, a still does.
+        let mut tree = Tree::from_paths(&[vec![0], vec![0, 0]]).unwrap();
+        let c = tree.add_child(1);
+        let stored = Draft { tree, tokens: vec![5, 6, 7, 8], scores: vec![1.0, 0.9, 0.18], drafted_nodes: 3, branch: vec![1, c], stored: true };
+        assert_eq!(calib.cut(stored, &curve(&[10.0, 13.0, 16.0, 19.0]), 0.0).unwrap().tokens, vec![5, 6]);
     }
 
     #[test]
@@ -325,10 +344,13 @@ mod tests {
         let mut c = Calibration::default();
         assert_eq!(c.drafter_factor(), 1.0);
         for _ in 0..50 {
-            c.record(&[0.8, 0.6], 0, &[true, false]);
+            c.record(&[0.8, 0.6], 0, &[true, false], false);
+            c.record(&[], 0, &[false], true);
         }
         assert!(c.drafter_factor() < 0.3, "overconfident drafts are scaled down: {}", c.drafter_factor());
-        assert!(c.lookup_precision(0) > 0.9 && c.lookup_precision(1) < 0.1);
-        assert_eq!(c.lookup_precision(5), LOOKUP_PRIOR);
+        assert!(c.lookup_precision(false, 0) > 0.9 && c.lookup_precision(false, 1) < 0.1);
+        assert_eq!(c.lookup_precision(false, 5), LOOKUP_PRIOR);
+        assert!(c.lookup_precision(true, 0) < 0.1);
+        assert_eq!(c.lookup_precision(true, 1), STORE_PRIOR);
     }
 }

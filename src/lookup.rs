@@ -87,15 +87,15 @@ impl Lookup {
 
     /// What the step copies: the context's continuation, or the datastore's where that matched
     /// a longer suffix of the text (more evidence; on a tie the context, which is about this
-    /// very answer).
-    pub fn copy(&self, context: &[u32], datastore: Option<&Datastore>) -> Vec<u32> {
+    /// very answer). The flag says the copy came from the datastore.
+    pub fn copy(&self, context: &[u32], datastore: Option<&Datastore>) -> (Vec<u32>, bool) {
         let (n, own) = self.matched_continuation(context);
         match datastore {
             Some(ds) => {
                 let (m, stored) = ds.continuation(context, self.max_tokens);
-                if m > n && !stored.is_empty() { stored } else { own }
+                if m > n && !stored.is_empty() { (stored, true) } else { (own, false) }
             }
-            None => own,
+            None => (own, false),
         }
     }
 
@@ -147,7 +147,7 @@ mod tests {
         let mut tokens: Vec<u32> = order.iter().map(|p| match p.as_slice() { [] => 5, [0] => 8, [1] => 6, _ => 2 }).collect();
         // Context "5 6 2 4 1 5": after the last 5 came 6 2 4 1.
         let before = tree.len();
-        let branch = Lookup::graft(&mut tree, &mut tokens, &l.copy(&[5, 6, 2, 4, 1, 5], None), 100);
+        let branch = Lookup::graft(&mut tree, &mut tokens, &l.copy(&[5, 6, 2, 4, 1, 5], None).0, 100);
         assert_eq!(tree.len() - before, 2, "6 and 2 are the drafter's nodes; 4 and 1 are new");
         assert_eq!(tree.len(), 6);
         assert_eq!(branch.iter().map(|&i| tokens[i]).collect::<Vec<_>>(), vec![6, 2, 4, 1]);
@@ -159,7 +159,7 @@ mod tests {
         // The node budget is respected.
         let mut small = Tree::from_paths(&[]).unwrap();
         let mut toks = vec![5];
-        assert_eq!(Lookup::graft(&mut small, &mut toks, &l.copy(&[5, 6, 2, 4, 1, 5], None), 3), vec![1, 2]);
+        assert_eq!(Lookup::graft(&mut small, &mut toks, &l.copy(&[5, 6, 2, 4, 1, 5], None).0, 3), vec![1, 2]);
         assert_eq!(small.len(), 3);
     }
 
@@ -172,11 +172,11 @@ mod tests {
         // "7 8 1" (3 tokens) twice, continued by 2 3.
         let ctx = [8, 1, 9, 5, 7, 8, 1];
         assert_eq!(l.matched_continuation(&ctx), (2, vec![9, 5, 7]));
-        assert_eq!(l.copy(&ctx, None), vec![9, 5, 7]);
-        assert_eq!(l.copy(&ctx, Some(&ds)), vec![2, 3]);
+        assert_eq!(l.copy(&ctx, None), (vec![9, 5, 7], false));
+        assert_eq!(l.copy(&ctx, Some(&ds)), (vec![2, 3], true));
         // Where the context's own match is as long, it wins.
         let ctx = [7, 8, 1, 4, 7, 8, 1];
-        assert_eq!(l.copy(&ctx, Some(&ds)), vec![4, 7, 8]);
+        assert_eq!(l.copy(&ctx, Some(&ds)), (vec![4, 7, 8], false));
     }
 
     #[test]

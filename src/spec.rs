@@ -190,11 +190,14 @@ pub fn generate_spec(
         let (mut tree, mut tokens) = (proposal.tree, proposal.tokens);
         // The lookup grafts its nodes after the drafter's; `branch` is the copied path.
         let drafted_nodes = tree.len();
-        let branch = match &opts.lookup {
-            Some(l) => Lookup::graft(&mut tree, &mut tokens, &l.copy(&history, opts.datastore), max_pos - committed),
-            None => Vec::new(),
+        let (branch, stored) = match &opts.lookup {
+            Some(l) => {
+                let (copied, stored) = l.copy(&history, opts.datastore);
+                (Lookup::graft(&mut tree, &mut tokens, &copied, max_pos - committed), stored)
+            }
+            None => (Vec::new(), false),
         };
-        let mut draft = Draft { tree, tokens, scores: proposal.scores, drafted_nodes, branch };
+        let mut draft = Draft { tree, tokens, scores: proposal.scores, drafted_nodes, branch, stored };
         if let Some(costs) = &costs {
             let drafting_ms = stats.time.draft * 1e3 / stats.gen.target_forwards.max(1) as f64;
             draft = calib.cut(draft, costs, drafting_ms)?;
