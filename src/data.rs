@@ -136,7 +136,7 @@ pub fn read_corpus(paths: &[PathBuf], render: &dyn Fn(&[Message]) -> Result<Stri
     }
     if docs.iter().all(|d| d.text.trim().is_empty()) {
         let names: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
-        return Err(Error::bad_file(names.join(", "), "empty corpus: no text to train on"));
+        return Err(Error::bad_file(names.join(", "), "empty corpus: no text in it"));
     }
     Ok(docs)
 }
