@@ -99,9 +99,15 @@ impl Datastore {
         within.start + lo..within.start + hi
     }
 
-    /// Suffix-array entries that start with `pattern`.
+    /// Suffix-array entries that start with `pattern` (two binary searches on whole prefixes:
+    /// this runs for every suffix length at every step).
     fn find(&self, pattern: &[u32]) -> Range<usize> {
-        pattern.iter().enumerate().fold(0..self.sa.len(), |r, (d, &t)| if r.is_empty() { r } else { self.narrow(r, d, t) })
+        let key = |p: u32| {
+            let p = p as usize;
+            &self.tokens[p..(p + pattern.len()).min(self.tokens.len())]
+        };
+        let lo = self.sa.partition_point(|&p| key(p) < pattern);
+        lo..lo + self.sa[lo..].partition_point(|&p| key(p) == pattern)
     }
 
     /// The continuation of the longest suffix of `context` (of `min_match..=max_match` tokens)
@@ -183,11 +189,14 @@ mod tests {
             let k = |i: u32| &ds.tokens[i as usize..(i as usize + SORT_DEPTH).min(ds.tokens.len())];
             assert!(k(w[0]) <= k(w[1]));
         }
-        // Every occurrence of a pattern is found.
-        let pat = [1u32, 3];
-        let brute = ds.tokens.windows(2).filter(|w| w == &pat).count();
-        assert_eq!(ds.find(&pat).len(), brute);
-        assert!(brute > 0);
+        // Every occurrence of a pattern is found, and only those.
+        for pat in [&[1u32, 3][..], &[4], &[0, 2, 4], &[3, 3, 3, 3, 3]] {
+            let brute = ds.tokens.windows(pat.len()).filter(|w| w == &pat).count();
+            let r = ds.find(pat);
+            assert_eq!(r.len(), brute, "{pat:?}");
+            assert!(r.clone().all(|i| ds.tokens[ds.sa[i] as usize..].starts_with(pat)));
+        }
+        assert!(!ds.find(&[1, 3]).is_empty());
     }
 
     #[test]
