@@ -65,13 +65,7 @@ impl Datastore {
     /// The rendered and tokenized documents of `paths` (text files, directories, distill JSONL,
     /// as `train --data` reads them).
     pub fn from_corpus(target: &Target, paths: &[PathBuf]) -> Result<Self> {
-        let render = |m: &[crate::tokenizer::Message]| -> Result<String> {
-            match &target.chat_template {
-                Some(t) => t.render(m, false, &target.tokenizer.bos_token, &target.tokenizer.eos_token),
-                None => Ok(m.iter().map(|x| x.content.as_str()).collect::<Vec<_>>().join("\n")),
-            }
-        };
-        let docs = crate::data::read_corpus(paths, &render)?;
+        let docs = crate::data::read_corpus(paths, &|m| target.render_conversation(m))?;
         let seqs = docs.iter().map(|d| target.tokenizer.encode(&d.text, true)).collect::<Result<Vec<_>>>()?;
         Self::from_sequences(seqs).map_err(|e| Error::bad_file(paths.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", "), e.to_string()))
     }
@@ -115,8 +109,10 @@ impl Datastore {
     /// step the token that most often followed the occurrences still matching, while it holds
     /// `min_share` of them and at least two. A long suffix seen too rarely to agree on a next
     /// token gives way to a shorter one seen more often.
-    pub fn continuation(&self, context: &[u32], max_tokens: usize) -> (usize, Vec<u32>) {
-        for n in (self.min_match.max(1)..=self.max_match.min(SORT_DEPTH / 2)).rev() {
+    /// Only suffixes longer than `longer_than` tokens are tried (a caller with a match of its
+    /// own that long needs no shorter one: this runs at every step).
+    pub fn continuation(&self, context: &[u32], max_tokens: usize, longer_than: usize) -> (usize, Vec<u32>) {
+        for n in (self.min_match.max(longer_than + 1).max(1)..=self.max_match.min(SORT_DEPTH / 2)).rev() {
             if context.len() < n {
                 continue;
             }
@@ -161,22 +157,26 @@ mod tests {
         ds.min_match = 1;
         ds.min_share = 0.0;
         // "2 3": followed by 4 three times, 7 once; then 4 -> 5 twice, 6 once; then 5 -> 8 once only.
-        assert_eq!(ds.continuation(&[0, 2, 3], 5), (2, vec![4, 5]));
+        assert_eq!(ds.continuation(&[0, 2, 3], 5, 0), (2, vec![4, 5]));
         // The longer match "1 2 3" has two occurrences that disagree ("4" and "7"): one
         // follower is not enough support, so the shorter "2 3" speaks.
-        assert_eq!(ds.continuation(&[1, 2, 3], 5), (2, vec![4, 5]));
-        assert_eq!(ds.continuation(&[9, 2, 3], 2), (2, vec![4, 5]));
-        assert_eq!(ds.continuation(&[3, 4], 1), (2, vec![5]));
+        assert_eq!(ds.continuation(&[1, 2, 3], 5, 0), (2, vec![4, 5]));
+        assert_eq!(ds.continuation(&[9, 2, 3], 2, 0), (2, vec![4, 5]));
+        assert_eq!(ds.continuation(&[3, 4], 1, 0), (2, vec![5]));
         // Nothing matches, or an empty context.
-        assert_eq!(ds.continuation(&[42, 43], 4), (0, vec![]));
-        assert_eq!(ds.continuation(&[], 4), (0, vec![]));
+        assert_eq!(ds.continuation(&[42, 43], 4, 0), (0, vec![]));
+        assert_eq!(ds.continuation(&[], 4, 0), (0, vec![]));
         // The end of a document is never copied: "4 5" ends one and is followed by 8 once.
-        assert_eq!(ds.continuation(&[4, 5], 4), (0, vec![]));
+        assert_eq!(ds.continuation(&[4, 5], 4, 0), (0, vec![]));
         // The share threshold stops a contested step: after "3", 4 holds 3 of 4 followers.
         ds.min_share = 0.7;
-        assert_eq!(ds.continuation(&[0, 3], 1), (1, vec![4]));
+        assert_eq!(ds.continuation(&[0, 3], 1, 0), (1, vec![4]));
         ds.min_share = 0.9;
-        assert_eq!(ds.continuation(&[0, 3], 1), (0, vec![]));
+        assert_eq!(ds.continuation(&[0, 3], 1, 0), (0, vec![]));
+        // Suffixes no longer than a caller's own match are not tried.
+        ds.min_share = 0.0;
+        assert_eq!(ds.continuation(&[0, 2, 3], 5, 0), (2, vec![4, 5]));
+        assert_eq!(ds.continuation(&[0, 2, 3], 5, 2), (0, vec![]));
     }
 
     #[test]

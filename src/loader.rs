@@ -66,6 +66,15 @@ impl Target {
         t.render(messages, true, &self.tokenizer.bos_token, &self.tokenizer.eos_token)
     }
 
+    /// A whole conversation as training and datastore text: through the chat template without a
+    /// generation prompt, or the turns joined by newlines for a model without one.
+    pub fn render_conversation(&self, messages: &[crate::tokenizer::Message]) -> Result<String> {
+        match &self.chat_template {
+            Some(t) => t.render(messages, false, &self.tokenizer.bos_token, &self.tokenizer.eos_token),
+            None => Ok(messages.iter().map(|x| x.content.as_str()).collect::<Vec<_>>().join("\n")),
+        }
+    }
+
     /// Tokens for a prompt, through the chat template when `chat` is set.
     pub fn encode_prompt(&self, prompt: &str, chat: bool) -> Result<Vec<u32>> {
         if chat {

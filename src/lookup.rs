@@ -92,7 +92,7 @@ impl Lookup {
         let (n, own) = self.matched_continuation(context);
         match datastore {
             Some(ds) => {
-                let (m, stored) = ds.continuation(context, self.max_tokens);
+                let (m, stored) = ds.continuation(context, self.max_tokens, n);
                 if m > n && !stored.is_empty() { (stored, true) } else { (own, false) }
             }
             None => (own, false),

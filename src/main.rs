@@ -558,13 +558,7 @@ fn run(cli: Cli) -> Result<()> {
             };
             cfg.validate()?;
             let target = load(&model)?;
-            let render = |m: &[selfspec::tokenizer::Message]| -> selfspec::Result<String> {
-                match &target.chat_template {
-                    Some(t) => t.render(m, false, &target.tokenizer.bos_token, &target.tokenizer.eos_token),
-                    None => Ok(m.iter().map(|x| x.content.as_str()).collect::<Vec<_>>().join("\n")),
-                }
-            };
-            let docs = selfspec::data::read_corpus(&data, &render)?;
+            let docs = selfspec::data::read_corpus(&data, &|m| target.render_conversation(m))?;
             let bar = progress(0, "train");
             let mut prog = |step: usize, total: usize, loss: f64, acc: &[f64], tps: f64| {
                 bar.set_length(total as u64);

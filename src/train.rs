@@ -738,12 +738,19 @@ pub fn train(
 /// these `docs` holds out (the split is by content and seed), without computing the training
 /// chunks' hidden states: how later heads are compared on an earlier run's validation set.
 pub fn held_out_accuracy(target: &Target, docs: &[Document], cfg: &TrainConfig, cache_hidden: Option<&Path>, log: &mut dyn FnMut(String)) -> Result<HeadAccuracy> {
+    let (dir, val_set) = held_out_set(target, docs, cfg, cfg.num_heads + 3, cache_hidden, log)?;
+    validate(&Heads::from_dir(dir, target)?, target, &val_set)
+}
+
+/// The drafter directory to measure (`--init`) and the held-out chunks with their states, for
+/// `--validate-only` with either drafter (`min_len` as its training run chunks).
+pub(crate) fn held_out_set<'a>(target: &Target, docs: &[Document], cfg: &'a TrainConfig, min_len: usize, cache_hidden: Option<&Path>, log: &mut dyn FnMut(String)) -> Result<(&'a Path, Vec<Example>)> {
     let dir = cfg.init.as_deref().ok_or_else(|| Error::InvalidArgument("--validate-only needs --init: the drafter to measure".into()))?;
-    let Prepared { val_set, .. } = prepare(target, docs, cfg, cfg.num_heads + 3, cache_hidden, false, log)?;
+    let Prepared { val_set, .. } = prepare(target, docs, cfg, min_len, cache_hidden, false, log)?;
     if val_set.is_empty() {
         return Err(Error::InvalidArgument("no validation chunk: raise --val-fraction".into()));
     }
-    validate(&Heads::from_dir(dir, target)?, target, &val_set)
+    Ok((dir, val_set))
 }
 
 /// What [`run_steps`] needs to know about a run besides the drafter.

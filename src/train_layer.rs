@@ -132,11 +132,7 @@ pub fn validate_layer(layer: &TrainLayer, ids: &[u32], target: &Target, chunks: 
 /// --draft-layer` run with `cfg` and these `docs` holds out, computing hidden states for those
 /// chunks only (see [`crate::train::held_out_accuracy`]).
 pub fn held_out_layer_accuracy(target: &Target, docs: &[Document], cfg: &TrainConfig, cache_hidden: Option<&Path>, log: &mut dyn FnMut(String)) -> Result<HeadAccuracy> {
-    let dir = cfg.init.as_deref().ok_or_else(|| Error::InvalidArgument("--validate-only needs --init: the drafter to measure".into()))?;
-    let Prepared { val_set, .. } = prepare(target, docs, cfg, cfg.unroll + 2, cache_hidden, false, log)?;
-    if val_set.is_empty() {
-        return Err(Error::InvalidArgument("no validation chunk: raise --val-fraction".into()));
-    }
+    let (dir, val_set) = crate::train::held_out_set(target, docs, cfg, cfg.unroll + 2, cache_hidden, log)?;
     let from = DraftLayer::from_dir(dir, target)?;
     let ids = from.draft_vocab().to_vec();
     let varmap = VarMap::new();
