@@ -532,6 +532,19 @@ pub(crate) mod avx512_packed {
     #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn block_of<E: Elem>(x: &[f32], m: usize, k: usize, n: usize, w: *const E, p0: usize, p1: usize, out: OutPtr) {
         let xp = x.as_ptr();
+        // 7 to 12 rows fit one tile of 2-3 panels (at most 24 accumulators), so the weights
+        // stream once with every row's arithmetic in the same loop as their prefetches; the
+        // slices below run the prefetching tile first and the others after, with the memory bus
+        // idle meanwhile (1536 x 576 weight streamed from DRAM, 12 rows: 0.09 ms against 0.14).
+        match m {
+            7 => return one_pass::<E, 7, 3>(xp, k, w, p0, p1, n, out),
+            8 => return one_pass::<E, 8, 3>(xp, k, w, p0, p1, n, out),
+            9 => return one_pass::<E, 9, 2>(xp, k, w, p0, p1, n, out),
+            10 => return one_pass::<E, 10, 2>(xp, k, w, p0, p1, n, out),
+            11 => return one_pass::<E, 11, 2>(xp, k, w, p0, p1, n, out),
+            12 => return one_pass::<E, 12, 2>(xp, k, w, p0, p1, n, out),
+            _ => {}
+        }
         let mut p = p0;
         while p + 4 <= p1 {
             panels::<E, 4>(xp, m, k, w, p, n, out);
@@ -539,6 +552,21 @@ pub(crate) mod avx512_packed {
         }
         while p < p1 {
             panels::<E, 1>(xp, m, k, w, p, n, out);
+            p += 1;
+        }
+    }
+
+    /// All `MR` rows in one pass over the panels, `NR` panels at a time (the last ones alone).
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn one_pass<E: Elem, const MR: usize, const NR: usize>(x: *const f32, k: usize, w: *const E, p0: usize, p1: usize, n: usize, out: OutPtr) {
+        let mut p = p0;
+        while p + NR <= p1 {
+            tile::<E, MR, NR, true>(x, k, w, 0, p, n, out, 0, k);
+            p += NR;
+        }
+        while p < p1 {
+            tile::<E, MR, 1, true>(x, k, w, 0, p, n, out, 0, k);
             p += 1;
         }
     }
@@ -1397,20 +1425,25 @@ mod tests {
     fn packed_matmul_matches_and_is_batch_invariant() {
         let (k, n) = (70, 37);
         let w = rand_vec(n * k, 3);
-        let x = rand_vec(9 * k, 4);
+        let x = rand_vec(17 * k, 4);
         let pw = PackedWeight::pack(&w, n, k);
-        let full = matmul_packed(&x, 9, &pw);
-        for i in 0..9 {
+        let full = matmul_packed(&x, 17, &pw);
+        // Every row count has its own tiling (one tile, one pass, slices); all give the same bits.
+        for m in 1..17 {
+            let part = matmul_packed(&x[..m * k], m, &pw);
+            assert_eq!(part, full[..m * n].to_vec(), "rows differ between M={m} and M=17");
+        }
+        for i in 0..17 {
             let one = matmul_packed(&x[i * k..(i + 1) * k], 1, &pw);
-            assert_eq!(one, full[i * n..(i + 1) * n].to_vec(), "row {i} differs between M=1 and M=9");
+            assert_eq!(one, full[i * n..(i + 1) * n].to_vec(), "row {i} differs between M=1 and M=17");
             for j in 0..n {
                 let r: f64 = (0..k).map(|q| x[i * k + q] as f64 * w[j * k + q] as f64).sum();
                 assert!((r - full[i * n + j] as f64).abs() < 1e-4);
             }
         }
         // The portable path computes the very same chains.
-        let mut port = vec![0f32; 9 * n];
-        packed_block(&x, 9, &pw, 0, n.div_ceil(PANEL), OutPtr(port.as_mut_ptr()));
+        let mut port = vec![0f32; 17 * n];
+        packed_block(&x, 17, &pw, 0, n.div_ceil(PANEL), OutPtr(port.as_mut_ptr()));
         assert_eq!(port, full);
     }
 

@@ -920,7 +920,7 @@ mod tests {
                     assert!(err <= tol * mag + 1e-6, "{name}: [{i},{j}] {} vs {} (|x||w| {mag})", all[i * n + j], want[i * n + j]);
                 }
             }
-            for m in [1usize, 2, 3, 5, 8, 16] {
+            for m in [1usize, 2, 3, 5, 7, 8, 10, 12, 13, 16] {
                 let part = cw.matmul(&x[..m * k], m);
                 assert_eq!(part, all[..m * n].to_vec(), "{name}: rows differ between m={m} and m=37");
             }
