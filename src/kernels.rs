@@ -473,12 +473,14 @@ pub(crate) mod avx512_packed {
         }
     }
 
-    /// Inputs per slice when the rows need more than one tile.
+    /// Inputs per slice when the rows need more than one tile (13 rows or more; 7-12 rows go
+    /// through [`one_pass`]).
     ///
     /// Why slices: with rows in several tiles, running each tile over all of `k` in turn streams
     /// the panels from memory during the first tile and from L2 during the others, with the
     /// memory bus idle meanwhile. Taking every tile over one slice of the panels (16 KB of f32,
-    /// in L1) before the next keeps the weight stream steady, so memory and arithmetic overlap.
+    /// in L1) before the next keeps the weight stream steadier; the overlap is still partial (the
+    /// bus idles while the tiles after the first run), which is why 7-12 rows avoid slices.
     const K_SLICE: usize = 64;
 
     #[inline(always)]
