@@ -8,6 +8,7 @@
 //! via `ROWS=1,4`.
 use std::time::Instant;
 
+use selfspec::bf16::PackedBf16;
 use selfspec::kernels::PackedWeight;
 use selfspec::quant::{CpuWeight, PackedF16, PackedQuant, QuantRows};
 
@@ -22,11 +23,12 @@ fn main() {
     let make = |name: &str| match name {
         "f32" => CpuWeight::F32(PackedWeight::pack(&w, n, k)),
         "f16" => CpuWeight::F16(PackedF16::pack(&w, n, k)),
+        "bf16" => CpuWeight::Bf16(PackedBf16::pack(&w, n, k)),
         "q8_0" => CpuWeight::Quant(PackedQuant::pack(&q8)),
         _ => CpuWeight::Quant(PackedQuant::pack(&q4)),
     };
     println!("weight [{n}, {k}], {}", if cached { "one copy (cache-resident when it fits)" } else { "copies > 128 MB (streamed from DRAM)" });
-    for name in ["f32", "f16", "q8_0", "q4_1"] {
+    for name in ["f32", "f16", "bf16", "q8_0", "q4_1"] {
         let first = make(name);
         let bytes = first.bytes() as f64;
         let copies = if cached { 1 } else { ((128e6 / bytes).ceil() as usize).max(1) };

@@ -6,6 +6,7 @@
 //! [`drafter`] proposes a tree (with [`heads`] or a [`draft_layer`]), [`spec`] runs the loop and
 //! [`verify`] decides what is emitted.
 pub mod bench;
+pub mod bf16;
 pub mod budget;
 pub mod data;
 pub mod datastore;

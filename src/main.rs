@@ -59,7 +59,7 @@ struct ModelArgs {
     /// cpu, cuda, cuda:N or metal.
     #[arg(long, default_value = "cpu")]
     device: String,
-    /// CPU weight format: f32 (dequantised reference), f16, q8_0, or native (the GGUF's own
+    /// CPU weight format: f32 (dequantised reference), f16, bf16 (AMX tiles where present), q8_0, or native (the GGUF's own
     /// Q8_0/Q4_0/Q4_1/Q4_K blocks, int8 arithmetic; other types as Q8_0). GPUs always use f32. [default: f32; bench: all]
     #[arg(long)]
     weights: Option<WeightFormat>,

@@ -107,6 +107,7 @@ impl Linear {
         let fast = match (format, native) {
             (WeightFormat::F32, _) | (WeightFormat::Native, None) => CpuWeight::F32(PackedWeight::pack(&data()?, n, k)),
             (WeightFormat::F16, _) => CpuWeight::F16(PackedF16::pack(&data()?, n, k)),
+            (WeightFormat::Bf16, _) => CpuWeight::Bf16(crate::bf16::PackedBf16::pack(&data()?, n, k)),
             (WeightFormat::Q8_0, _) if k % crate::quant::QK != 0 => CpuWeight::F32(PackedWeight::pack(&data()?, n, k)),
             (WeightFormat::Q8_0, _) => CpuWeight::Quant(PackedQuant::pack(&QuantRows::quantize_q8_0(&data()?, n, k)?)),
             (WeightFormat::Native, Some(q)) => {

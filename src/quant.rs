@@ -33,6 +33,10 @@ pub enum WeightFormat {
     F32,
     /// Half precision, f32 arithmetic: half the bytes, results within f16 rounding of f32.
     F16,
+    /// bfloat16 weights and activations, f32 sums, on AMX tiles where the CPU has them (see
+    /// [`crate::bf16`]): half f32's bytes, and on AMX the arithmetic of a 16-row tree costs no
+    /// more than one row's.
+    Bf16,
     /// 8-bit blocks requantised from f32 (GGUF Q8_0 layout), int8 arithmetic.
     Q8_0,
     /// Each tensor in the GGUF's own format where a kernel exists (F32, F16, Q8_0, Q4_0, Q4_1,
@@ -42,11 +46,12 @@ pub enum WeightFormat {
 }
 
 impl WeightFormat {
-    pub const ALL: [WeightFormat; 4] = [WeightFormat::F32, WeightFormat::F16, WeightFormat::Q8_0, WeightFormat::Native];
+    pub const ALL: [WeightFormat; 5] = [WeightFormat::F32, WeightFormat::F16, WeightFormat::Bf16, WeightFormat::Q8_0, WeightFormat::Native];
     pub fn name(self) -> &'static str {
         match self {
             WeightFormat::F32 => "f32",
             WeightFormat::F16 => "f16",
+            WeightFormat::Bf16 => "bf16",
             WeightFormat::Q8_0 => "q8_0",
             WeightFormat::Native => "native",
         }
@@ -65,9 +70,10 @@ impl FromStr for WeightFormat {
         match s.to_ascii_lowercase().as_str() {
             "f32" => Ok(WeightFormat::F32),
             "f16" => Ok(WeightFormat::F16),
+            "bf16" => Ok(WeightFormat::Bf16),
             "q8_0" | "q8" => Ok(WeightFormat::Q8_0),
             "native" => Ok(WeightFormat::Native),
-            _ => Err(Error::InvalidArgument(format!("unknown weight format '{s}' (expected f32, f16, q8_0 or native)"))),
+            _ => Err(Error::InvalidArgument(format!("unknown weight format '{s}' (expected f32, f16, bf16, q8_0 or native)"))),
         }
     }
 }
@@ -376,6 +382,7 @@ impl PackedQuant {
 pub enum CpuWeight {
     F32(PackedWeight),
     F16(PackedF16),
+    Bf16(crate::bf16::PackedBf16),
     Quant(PackedQuant),
 }
 
@@ -384,6 +391,7 @@ impl CpuWeight {
         match self {
             CpuWeight::F32(w) => w.rows(),
             CpuWeight::F16(w) => w.n,
+            CpuWeight::Bf16(w) => w.rows(),
             CpuWeight::Quant(w) => w.n,
         }
     }
@@ -391,6 +399,7 @@ impl CpuWeight {
         match self {
             CpuWeight::F32(w) => w.cols(),
             CpuWeight::F16(w) => w.k,
+            CpuWeight::Bf16(w) => w.cols(),
             CpuWeight::Quant(w) => w.k,
         }
     }
@@ -399,6 +408,7 @@ impl CpuWeight {
         match self {
             CpuWeight::F32(w) => w.rows().div_ceil(PANEL) * PANEL * w.cols() * 4,
             CpuWeight::F16(w) => w.data.len() * 2,
+            CpuWeight::Bf16(w) => w.bytes(),
             CpuWeight::Quant(w) => w.data.len(),
         }
     }
@@ -406,6 +416,7 @@ impl CpuWeight {
         match self {
             CpuWeight::F32(_) => "f32",
             CpuWeight::F16(_) => "f16",
+            CpuWeight::Bf16(_) => "bf16",
             CpuWeight::Quant(w) if w.bits4 => "q4",
             CpuWeight::Quant(_) => "q8_0",
         }
@@ -421,6 +432,7 @@ impl CpuWeight {
         match self {
             CpuWeight::F32(w) => crate::kernels::matmul_packed(x, m, w),
             CpuWeight::F16(w) => matmul_f16(x, m, w),
+            CpuWeight::Bf16(w) => crate::bf16::matmul_bf16(x, m, w),
             CpuWeight::Quant(w) => matmul_quant(x, m, w),
         }
     }
@@ -431,7 +443,7 @@ impl CpuWeight {
 const TASKS_PER_THREAD: usize = 2;
 
 /// Split `panels` into tasks of whole groups of `group` panels, run on the [`crate::team`].
-fn for_each_panel_range(panels: usize, group: usize, f: impl Fn(usize, usize) + Sync) {
+pub(crate) fn for_each_panel_range(panels: usize, group: usize, f: impl Fn(usize, usize) + Sync) {
     let per_task = (panels.div_ceil(crate::team::threads() * TASKS_PER_THREAD).max(group)).div_ceil(group) * group;
     let tasks = panels.div_ceil(per_task);
     crate::team::run(tasks, &|t| {

@@ -1,4 +1,4 @@
-//! Weight formats (`--weights f32|f16|q8_0|native`): each stays close to the f32 reference, each
+//! Weight formats (`--weights f32|f16|bf16|q8_0|native`): each stays close to the f32 reference, each
 //! keeps tree verification bit-identical to sequential decoding, and greedy self-speculation in
 //! each format emits exactly what plain greedy decoding in that format emits.
 mod common;
@@ -26,6 +26,7 @@ fn tolerance(f: WeightFormat) -> f32 {
     match f {
         WeightFormat::F32 => 0.0,
         WeightFormat::F16 => 0.005,
+        WeightFormat::Bf16 => 0.02,
         WeightFormat::Q8_0 => 0.03,
         WeightFormat::Native => 0.03,
     }
@@ -168,7 +169,7 @@ fn smollm2_every_format_stays_close_and_greedy_speculation_stays_exact() {
     let reference = last_logits(&t.model, &text);
     let prompts = selfspec::data::read_prompts(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/prompts/eval.jsonl")).unwrap();
     let params = SamplingParams::greedy();
-    for f in [WeightFormat::F16, WeightFormat::Q8_0, WeightFormat::Native] {
+    for f in [WeightFormat::F16, WeightFormat::Bf16, WeightFormat::Q8_0, WeightFormat::Native] {
         t.set_weights(f).unwrap();
         // Loaded after the switch, so its draft projection takes the target's format too.
         let heads = Drafter::Heads(Heads::from_dir(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/heads/smollm2"), &t).unwrap());

@@ -1,0 +1,446 @@
+//! bf16 weights for the CPU fast path, multiplied on AMX tiles where the CPU has them.
+//!
+//! Why a fourth float format: the f32 and f16 kernels run out of arithmetic before they run out
+//! of memory bandwidth once a verification tree passes about 8 rows (512-bit FMAs: 16 rows of an
+//! f32 forward need at least 10 ms of arithmetic here), so large trees, the ones that reach
+//! τ ≥ 3, cost far more than one token. One AMX `tdpbf16ps` multiplies a 16-row × 32 tile of
+//! activations by a 32 × 16 tile of weights (8,192 multiply-adds) in about as long as one
+//! 512-bit FMA does 16, so with bf16 weights (half the bytes of f32) the arithmetic of 16 or
+//! even 32 rows hides entirely under the weight stream: the cost curve turns flat.
+//!
+//! Numerics: activations are rounded to bf16 (round to nearest even) for the product; weights are
+//! bf16; every product of two bf16 values is exact in f32, and each output is one chain of f32
+//! additions in input order. The AMX instruction computes each tile row on its own, so a row's
+//! result never depends on how many rows share the call (batch invariance), and the portable
+//! kernel, used where AMX is missing, keeps the same order per row. Whether AMX rounds exactly as
+//! the portable chain does is the hardware's business (tested on this machine, not assumed), so
+//! bf16 results are promised bit-identical only within one machine, like any GPU format.
+use half::bf16;
+
+use crate::kernels::{written_by, OutPtr};
+
+/// Output columns per panel: one AMX tile's 16 columns of f32.
+pub const PANEL: usize = 16;
+/// Inputs per k-block: one tile row of 32 bf16 values.
+pub const KB: usize = 32;
+/// Panels computed together (one activation tile feeds four accumulator tiles).
+pub const GROUP: usize = 4;
+/// Activation rows per tile.
+const TILE_ROWS: usize = 16;
+
+/// Weights `[n, k]` packed for the tile product: per group of 4 panels and per k-block, four
+/// 1 KB tiles (one per panel) of 16 pair-rows × 16 columns × 2 values, the layout `tdpbf16ps`
+/// reads (`w[col][kb*32 + 2r + e]` at pair-row `r`, column `col`, element `e`). Columns and
+/// inputs past the matrix are zero, so they add nothing.
+pub struct PackedBf16 {
+    pub(crate) n: usize,
+    pub(crate) k: usize,
+    /// `k` rounded up to whole k-blocks.
+    kp: usize,
+    data: Vec<u16>,
+}
+
+impl PackedBf16 {
+    pub fn pack(w: &[f32], n: usize, k: usize) -> Self {
+        use rayon::prelude::*;
+        assert_eq!(w.len(), n * k);
+        let kp = k.div_ceil(KB) * KB;
+        let groups = n.div_ceil(PANEL * GROUP);
+        let group_len = kp * PANEL * GROUP;
+        let mut data = vec![0u16; groups * group_len];
+        data.par_chunks_mut(group_len).enumerate().for_each(|(g, chunk)| {
+            for kb in 0..kp / KB {
+                for p in 0..GROUP {
+                    let tile = &mut chunk[(kb * GROUP + p) * KB * PANEL..][..KB * PANEL];
+                    for c in 0..PANEL {
+                        let col = (g * GROUP + p) * PANEL + c;
+                        if col >= n {
+                            continue;
+                        }
+                        for r in 0..KB / 2 {
+                            for e in 0..2 {
+                                let kk = kb * KB + 2 * r + e;
+                                if kk < k {
+                                    tile[r * PANEL * 2 + c * 2 + e] = bf16::from_f32(w[col * k + kk]).to_bits();
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        });
+        PackedBf16 { n, k, kp, data }
+    }
+    pub fn rows(&self) -> usize {
+        self.n
+    }
+    pub fn cols(&self) -> usize {
+        self.k
+    }
+    /// Bytes one call streams.
+    pub fn bytes(&self) -> usize {
+        self.data.len() * 2
+    }
+    /// `w[col][kk]` as stored (the tests' reference).
+    #[cfg(test)]
+    fn weight(&self, col: usize, kk: usize) -> f32 {
+        let (g, p, c) = (col / (PANEL * GROUP), col / PANEL % GROUP, col % PANEL);
+        let (kb, r, e) = (kk / KB, kk % KB / 2, kk % 2);
+        let at = g * self.kp * PANEL * GROUP + (kb * GROUP + p) * KB * PANEL + r * PANEL * 2 + c * 2 + e;
+        bf16::from_bits(self.data[at]).to_f32()
+    }
+}
+
+/// Activations rounded to bf16, padded with zero rows to whole tiles and zero inputs to whole
+/// k-blocks (row stride `kp`).
+fn activations(x: &[f32], m: usize, k: usize, kp: usize) -> Vec<u16> {
+    // Past one tile, rows come in pairs of tiles (see `amx::groups`): pad to a whole pair.
+    let tiles = m.div_ceil(TILE_ROWS);
+    let mp = if tiles > 1 { tiles.div_ceil(2) * 2 * TILE_ROWS } else { TILE_ROWS };
+    let mut a = vec![0u16; mp * kp];
+    for i in 0..m {
+        for (d, s) in a[i * kp..i * kp + k].iter_mut().zip(&x[i * k..(i + 1) * k]) {
+            *d = round_to_bf16(*s);
+        }
+    }
+    a
+}
+
+/// f32 to bf16 bits, rounding to nearest even (as `half` does), written without branches so the
+/// loop over a row vectorises: conversion runs on the calling thread between kernels.
+#[inline(always)]
+fn round_to_bf16(x: f32) -> u16 {
+    let b = x.to_bits();
+    let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
+    // NaN stays NaN (rounding could carry it into infinity): keep its top bits, quiet.
+    let nan = ((b >> 16) as u16) | 0x40;
+    if x.is_nan() { nan } else { rounded }
+}
+
+/// Which kernel runs: AMX where the CPU has it and the OS grants the tile state.
+pub fn amx_available() -> bool {
+    static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *OK.get_or_init(|| {
+        if std::env::var("SELFSPEC_NO_AMX").is_ok_and(|v| v == "1") {
+            return false;
+        }
+        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+        {
+            amx::request_permission()
+        }
+        #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+        {
+            false
+        }
+    })
+}
+
+/// `out[m][n] = sum_k bf16(x[m][k]) * w[n][k]`, batch-invariant.
+pub fn matmul_bf16(x: &[f32], m: usize, w: &PackedBf16) -> Vec<f32> {
+    matmul_with(x, m, w, amx_available())
+}
+
+fn matmul_with(x: &[f32], m: usize, w: &PackedBf16, use_amx: bool) -> Vec<f32> {
+    assert_eq!(x.len(), m * w.k, "x has {} values, expected {m}x{}", x.len(), w.k);
+    let a = activations(x, m, w.k, w.kp);
+    let groups = w.n.div_ceil(PANEL * GROUP);
+    // SAFETY: the group ranges cover every column, and each group writes all rows.
+    unsafe {
+        written_by(m * w.n, |out| {
+            crate::quant::for_each_panel_range(groups, 1, |g0, g1| {
+                #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+                if use_amx {
+                    amx::groups(&a, m, w, g0, g1, out);
+                    return;
+                }
+                let _ = use_amx;
+                portable_groups(&a, m, w, g0, g1, out);
+            })
+        })
+    }
+}
+
+/// The reference order: per output, products added one at a time in input order.
+fn portable_groups(a: &[u16], m: usize, w: &PackedBf16, g0: usize, g1: usize, out: OutPtr) {
+    let kp = w.kp;
+    let f = |b: u16| bf16::from_bits(b).to_f32();
+    for g in g0..g1 {
+        let chunk = &w.data[g * kp * PANEL * GROUP..][..kp * PANEL * GROUP];
+        for i in 0..m {
+            let row = &a[i * kp..(i + 1) * kp];
+            for p in 0..GROUP {
+                let mut acc = [0f32; PANEL];
+                for kb in 0..kp / KB {
+                    let tile = &chunk[(kb * GROUP + p) * KB * PANEL..][..KB * PANEL];
+                    for r in 0..KB / 2 {
+                        let (x0, x1) = (f(row[kb * KB + 2 * r]), f(row[kb * KB + 2 * r + 1]));
+                        for (c, acc) in acc.iter_mut().enumerate() {
+                            *acc += x0 * f(tile[r * PANEL * 2 + c * 2]);
+                            *acc += x1 * f(tile[r * PANEL * 2 + c * 2 + 1]);
+                        }
+                    }
+                }
+                for (c, v) in acc.iter().enumerate() {
+                    let col = (g * GROUP + p) * PANEL + c;
+                    if col < w.n {
+                        // SAFETY: in bounds; this group owns these columns.
+                        unsafe { *out.0.add(i * w.n + col) = *v };
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+mod amx {
+    use super::*;
+    use std::arch::asm;
+
+    /// Linux hands out the 8 KB tile register state only on request (`arch_prctl`
+    /// `ARCH_REQ_XCOMP_PERM` for `XFEATURE_XTILEDATA`); the grant covers the whole process.
+    pub(super) fn request_permission() -> bool {
+        // CPUID leaf 7: EDX bit 22 AMX-BF16, bit 24 AMX-TILE.
+        let leaf = std::arch::x86_64::__cpuid_count(7, 0);
+        if leaf.edx & (1 << 22) == 0 || leaf.edx & (1 << 24) == 0 {
+            return false;
+        }
+        const SYS_ARCH_PRCTL: usize = 158;
+        const ARCH_REQ_XCOMP_PERM: usize = 0x1023;
+        const XFEATURE_XTILEDATA: usize = 18;
+        let ret: isize;
+        // SAFETY: a plain system call that changes no memory of ours.
+        unsafe {
+            asm!("syscall", inlateout("rax") SYS_ARCH_PRCTL as isize => ret, in("rdi") ARCH_REQ_XCOMP_PERM, in("rsi") XFEATURE_XTILEDATA,
+                 lateout("rcx") _, lateout("r11") _, options(nostack));
+        }
+        ret == 0
+    }
+
+    /// Tile configuration (palette 1): tmm0-3 accumulators 16 × 16 f32, tmm4 activations
+    /// 16 × 32 bf16, tmm5-7 weights 16 pair-rows × 16 columns; all 16 rows of 64 bytes.
+    #[repr(C, align(64))]
+    struct TileConfig([u8; 64]);
+
+    fn config() -> TileConfig {
+        let mut c = [0u8; 64];
+        c[0] = 1;
+        for t in 0..8 {
+            c[16 + 2 * t] = 64;
+            c[48 + t] = 16;
+        }
+        TileConfig(c)
+    }
+
+    /// Columns `[g0, g1)` groups of 4 panels, every row. Up to 16 rows, one activation tile
+    /// feeds four accumulators (one per panel); past 16, two row tiles share each weight tile
+    /// (pairs of panels), so the weights still stream once per call instead of once per 16
+    /// rows. Each row's tile row sees the same instructions in the same order either way.
+    pub(super) unsafe fn groups(a: &[u16], m: usize, w: &PackedBf16, g0: usize, g1: usize, out: OutPtr) {
+        let kp = w.kp;
+        let cfg = config();
+        let mut c = [[0f32; PANEL * TILE_ROWS]; 4];
+        asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack));
+        for g in g0..g1 {
+            let wg = w.data.as_ptr().add(g * kp * PANEL * GROUP);
+            if m <= TILE_ROWS {
+                one_row_tile(a.as_ptr(), wg, kp, &mut c);
+                for (p, tile) in c.iter().enumerate() {
+                    copy_out(tile, 0, m, (g * GROUP + p) * PANEL, w.n, out);
+                }
+                continue;
+            }
+            for pair in 0..GROUP / 2 {
+                for rb in (0..m.div_ceil(TILE_ROWS)).step_by(2) {
+                    two_row_tiles(a.as_ptr().add(rb * TILE_ROWS * kp), wg.add(pair * 2 * KB * PANEL), kp, &mut c);
+                    for (t, tile) in c.iter().enumerate() {
+                        let (r0, p) = (rb + t / 2, 2 * pair + t % 2);
+                        let rows = m.saturating_sub(r0 * TILE_ROWS).min(TILE_ROWS);
+                        copy_out(tile, r0 * TILE_ROWS, rows, (g * GROUP + p) * PANEL, w.n, out);
+                    }
+                }
+            }
+        }
+        asm!("tilerelease", options(nostack));
+    }
+
+    /// Rows `[i0, i0 + rows)` of one 16 × 16 accumulator tile into the output at column `col0`.
+    unsafe fn copy_out(tile: &[f32; PANEL * TILE_ROWS], i0: usize, rows: usize, col0: usize, n: usize, out: OutPtr) {
+        let cols = n.saturating_sub(col0).min(PANEL);
+        for ii in 0..rows {
+            std::ptr::copy_nonoverlapping(tile[ii * PANEL..].as_ptr(), out.0.add((i0 + ii) * n + col0), cols);
+        }
+    }
+
+    /// One row tile × four panels over all k-blocks; accumulators stored to `c[0..4]`.
+    unsafe fn one_row_tile(a: *const u16, w: *const u16, kp: usize, c: &mut [[f32; PANEL * TILE_ROWS]; 4]) {
+        asm!(
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            "2:",
+            "tileloadd tmm4, [{a} + {astride}]",
+            "tileloadd tmm5, [{w} + {s64}]",
+            "tdpbf16ps tmm0, tmm4, tmm5",
+            "tileloadd tmm6, [{w} + {s64} + 1024]",
+            "tdpbf16ps tmm1, tmm4, tmm6",
+            "tileloadd tmm7, [{w} + {s64} + 2048]",
+            "tdpbf16ps tmm2, tmm4, tmm7",
+            "tileloadd tmm5, [{w} + {s64} + 3072]",
+            "tdpbf16ps tmm3, tmm4, tmm5",
+            "add {a}, 64",
+            "add {w}, 4096",
+            "dec {n}",
+            "jnz 2b",
+            "tilestored [{c0} + {s64}], tmm0",
+            "tilestored [{c1} + {s64}], tmm1",
+            "tilestored [{c2} + {s64}], tmm2",
+            "tilestored [{c3} + {s64}], tmm3",
+            a = inout(reg) a => _,
+            w = inout(reg) w => _,
+            n = inout(reg) kp / KB => _,
+            astride = in(reg) kp * 2,
+            s64 = in(reg) 64usize,
+            c0 = in(reg) c[0].as_mut_ptr(),
+            c1 = in(reg) c[1].as_mut_ptr(),
+            c2 = in(reg) c[2].as_mut_ptr(),
+            c3 = in(reg) c[3].as_mut_ptr(),
+            options(nostack),
+        );
+    }
+
+    /// Two row tiles × two panels (the group's panels at `w` and `w + 1 KB`); accumulators to
+    /// `c[0..4]` as (rows 0-15, panel 0), (rows 0-15, panel 1), (rows 16-31, panel 0), ...
+    unsafe fn two_row_tiles(a: *const u16, w: *const u16, kp: usize, c: &mut [[f32; PANEL * TILE_ROWS]; 4]) {
+        asm!(
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            "2:",
+            "tileloadd tmm4, [{a} + {astride}]",
+            "tileloadd tmm5, [{a2} + {astride}]",
+            "tileloadd tmm6, [{w} + {s64}]",
+            "tileloadd tmm7, [{w} + {s64} + 1024]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            "add {a}, 64",
+            "add {a2}, 64",
+            "add {w}, 4096",
+            "dec {n}",
+            "jnz 2b",
+            "tilestored [{c0} + {s64}], tmm0",
+            "tilestored [{c1} + {s64}], tmm1",
+            "tilestored [{c2} + {s64}], tmm2",
+            "tilestored [{c3} + {s64}], tmm3",
+            a = inout(reg) a => _,
+            a2 = inout(reg) a.add(TILE_ROWS * kp) => _,
+            w = inout(reg) w => _,
+            n = inout(reg) kp / KB => _,
+            astride = in(reg) kp * 2,
+            s64 = in(reg) 64usize,
+            c0 = in(reg) c[0].as_mut_ptr(),
+            c1 = in(reg) c[1].as_mut_ptr(),
+            c2 = in(reg) c[2].as_mut_ptr(),
+            c3 = in(reg) c[3].as_mut_ptr(),
+            options(nostack),
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(len: usize, seed: usize) -> Vec<f32> {
+        (0..len).map(|i| (((i * 7919 + seed * 104729) % 2003) as f32 / 1001.0 - 1.0) * 0.7).collect()
+    }
+
+    /// The exact chain each output is defined as: bf16 inputs, f32 additions in input order.
+    fn reference(x: &[f32], m: usize, w: &PackedBf16) -> Vec<f32> {
+        let mut out = vec![0f32; m * w.n];
+        for i in 0..m {
+            for col in 0..w.n {
+                let mut acc = 0f32;
+                for kk in 0..w.k {
+                    acc += bf16::from_f32(x[i * w.k + kk]).to_f32() * w.weight(col, kk);
+                }
+                out[i * w.n + col] = acc;
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn rounding_matches_half() {
+        let mut vals = vec![0.0f32, -0.0, 1.0, -1.5, f32::MAX, f32::MIN_POSITIVE, 1e-40, f32::INFINITY, f32::NEG_INFINITY, f32::NAN];
+        vals.extend((0..100_000u32).map(|i| f32::from_bits(i.wrapping_mul(2_654_435_761))));
+        for v in vals {
+            let (got, want) = (round_to_bf16(v), bf16::from_f32(v));
+            if v.is_nan() {
+                assert!(bf16::from_bits(got).is_nan());
+            } else {
+                assert_eq!(got, want.to_bits(), "{v:e}");
+            }
+        }
+    }
+
+    #[test]
+    fn portable_kernel_is_the_reference_chain() {
+        for (n, k, m) in [(64, 32, 1), (70, 40, 3), (130, 96, 17)] {
+            let w = PackedBf16::pack(&data(n * k, 1), n, k);
+            let x = data(m * k, 2);
+            assert_eq!(matmul_with(&x, m, &w, false), reference(&x, m, &w), "n={n} k={k} m={m}");
+        }
+    }
+
+    #[test]
+    fn close_to_f32_product() {
+        let (n, k, m) = (100, 200, 5);
+        let wf = data(n * k, 3);
+        let x = data(m * k, 4);
+        let got = matmul_bf16(&x, m, &PackedBf16::pack(&wf, n, k));
+        for i in 0..m {
+            for j in 0..n {
+                let exact: f32 = (0..k).map(|kk| x[i * k + kk] * wf[j * k + kk]).sum();
+                let norm: f32 = (0..k).map(|kk| (x[i * k + kk] * wf[j * k + kk]).abs()).sum();
+                assert!((got[i * n + j] - exact).abs() <= 1e-2 * norm, "({i},{j}): {} vs {exact}", got[i * n + j]);
+            }
+        }
+    }
+
+    /// Every row count gives each row the same bits, on whichever kernel this machine runs.
+    #[test]
+    fn batch_invariant() {
+        let (n, k) = (136, 608);
+        let w = PackedBf16::pack(&data(n * k, 5), n, k);
+        let x = data(40 * k, 6);
+        for use_amx in [false, amx_available()] {
+            let all = matmul_with(&x, 40, &w, use_amx);
+            for m in 1..=40 {
+                let part = matmul_with(&x[..m * k], m, &w, use_amx);
+                assert_eq!(part[..], all[..m * n], "m={m} amx={use_amx}");
+            }
+        }
+    }
+
+    /// Records whether this machine's AMX adds exactly as the reference chain does.
+    #[test]
+    fn amx_matches_the_portable_chain_when_present() {
+        if !amx_available() {
+            return;
+        }
+        let (n, k, m) = (128, 576, 20);
+        let w = PackedBf16::pack(&data(n * k, 7), n, k);
+        let x = data(m * k, 8);
+        let amx = matmul_with(&x, m, &w, true);
+        let portable = matmul_with(&x, m, &w, false);
+        let differ = amx.iter().zip(&portable).filter(|(a, b)| a != b).count();
+        let worst = amx.iter().zip(&portable).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        eprintln!("AMX vs portable: {differ} of {} outputs differ, worst {worst:e}", amx.len());
+        assert!(worst <= 1e-3, "AMX and the portable kernel disagree by {worst}");
+    }
+}
