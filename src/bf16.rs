@@ -91,19 +91,45 @@ impl PackedBf16 {
     }
 }
 
-/// Activations rounded to bf16, padded with zero rows to whole tiles and zero inputs to whole
-/// k-blocks (row stride `kp`).
+/// Activations rounded to bf16, padded with zero inputs to whole k-blocks (row stride `kp`).
 fn activations(x: &[f32], m: usize, k: usize, kp: usize) -> Vec<u16> {
-    // Past one tile, rows come in pairs of tiles (see `amx::groups`): pad to a whole pair.
-    let tiles = m.div_ceil(TILE_ROWS);
-    let mp = if tiles > 1 { tiles.div_ceil(2) * 2 * TILE_ROWS } else { TILE_ROWS };
-    let mut a = vec![0u16; mp * kp];
+    let mut a = vec![0u16; m * kp];
+    #[cfg(target_arch = "x86_64")]
+    let avx512 = matches!(crate::kernels::isa(), crate::kernels::Isa::Avx512);
     for i in 0..m {
-        for (d, s) in a[i * kp..i * kp + k].iter_mut().zip(&x[i * k..(i + 1) * k]) {
+        let (src, dst) = (&x[i * k..(i + 1) * k], &mut a[i * kp..i * kp + k]);
+        #[cfg(target_arch = "x86_64")]
+        if avx512 {
+            // SAFETY: AVX-512F was detected; `src` and `dst` have the same length.
+            unsafe { round_row_avx512(src, dst) };
+            continue;
+        }
+        for (d, s) in dst.iter_mut().zip(src) {
             *d = round_to_bf16(*s);
         }
     }
     a
+}
+
+/// [`round_to_bf16`] 16 values at a time (the bits are the same: integer rounding, NaN kept).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn round_row_avx512(src: &[f32], dst: &mut [u16]) {
+    use std::arch::x86_64::*;
+    let chunks = src.len() / 16;
+    for c in 0..chunks {
+        let x = _mm512_loadu_ps(src.as_ptr().add(c * 16));
+        let b = _mm512_castps_si512(x);
+        let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
+        let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))));
+        let nan = _mm512_or_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(0x40));
+        let is_nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
+        let v = _mm512_mask_blend_epi32(is_nan, rounded, nan);
+        _mm256_storeu_si256(dst.as_mut_ptr().add(c * 16) as *mut __m256i, _mm512_cvtepi32_epi16(v));
+    }
+    for (d, s) in dst[chunks * 16..].iter_mut().zip(&src[chunks * 16..]) {
+        *d = round_to_bf16(*s);
+    }
 }
 
 /// f32 to bf16 bits, rounding to nearest even (as `half` does), written without branches so the
@@ -195,6 +221,10 @@ fn portable_groups(a: &[u16], m: usize, w: &PackedBf16, g0: usize, g1: usize, ou
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 mod amx {
     use super::*;
+    /// How far ahead (bytes, 4 k-blocks) the two-row-tile loop prefetches its weight tiles into
+    /// L1. With two multiplies per weight tile, tile loads that miss the cache stall the loop
+    /// (measured: 24 rows of lm_head 2.6 → 1.8–2.0 ms); the one-row loop gains nothing from it.
+    const PREFETCH_AHEAD: usize = 16384;
     use std::arch::asm;
 
     /// Linux hands out the 8 KB tile register state only on request (`arch_prctl`
@@ -217,17 +247,24 @@ mod amx {
         ret == 0
     }
 
-    /// Tile configuration (palette 1): tmm0-3 accumulators 16 × 16 f32, tmm4 activations
-    /// 16 × 32 bf16, tmm5-7 weights 16 pair-rows × 16 columns; all 16 rows of 64 bytes.
+    /// Tile configuration (palette 1), all tiles 64 bytes wide. One row tile: tmm0-3
+    /// accumulators (16 f32 columns) and tmm4 activations (32 bf16) with `r0` rows; tmm5-7
+    /// weights (16 pair-rows × 16 columns). Two row tiles: tmm0-1 and tmm4 with `r0` rows, tmm2-3
+    /// and tmm5 with `r1`, tmm6-7 weights. Configuring the real row count means a tile never
+    /// reads or writes rows past the matrix, so accumulators store straight into the output.
     #[repr(C, align(64))]
     struct TileConfig([u8; 64]);
 
-    fn config() -> TileConfig {
+    fn config(r0: usize, r1: Option<usize>) -> TileConfig {
         let mut c = [0u8; 64];
         c[0] = 1;
-        for t in 0..8 {
+        let rows: [usize; 8] = match r1 {
+            None => [r0, r0, r0, r0, r0, 16, 16, 16],
+            Some(r1) => [r0, r0, r1, r1, r0, r1, 16, 16],
+        };
+        for (t, r) in rows.iter().enumerate() {
             c[16 + 2 * t] = 64;
-            c[48 + t] = 16;
+            c[48 + t] = *r as u8;
         }
         TileConfig(c)
     }
@@ -237,26 +274,52 @@ mod amx {
     /// (pairs of panels), so the weights still stream once per call instead of once per 16
     /// rows. Each row's tile row sees the same instructions in the same order either way.
     pub(super) unsafe fn groups(a: &[u16], m: usize, w: &PackedBf16, g0: usize, g1: usize, out: OutPtr) {
-        let kp = w.kp;
-        let cfg = config();
-        let mut c = [[0f32; PANEL * TILE_ROWS]; 4];
-        asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack));
+        let (kp, n) = (w.kp, w.n);
+        // Accumulators store here, then copy, only where a panel runs past the last column.
+        let mut spare = [[0f32; PANEL * TILE_ROWS]; 4];
+        let full_pairs = m / (2 * TILE_ROWS);
+        let rest = m - full_pairs * 2 * TILE_ROWS;
+        let mut current: Option<(usize, Option<usize>)> = None;
+        let mut configure = |shape: (usize, Option<usize>)| {
+            if current != Some(shape) {
+                let cfg = config(shape.0, shape.1);
+                asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack));
+                current = Some(shape);
+            }
+        };
         for g in g0..g1 {
             let wg = w.data.as_ptr().add(g * kp * PANEL * GROUP);
-            if m <= TILE_ROWS {
-                one_row_tile(a.as_ptr(), wg, kp, &mut c);
-                for (p, tile) in c.iter().enumerate() {
-                    copy_out(tile, 0, m, (g * GROUP + p) * PANEL, w.n, out);
+            // Where panel `p`'s accumulator rows starting at `i0` go, with its row stride in bytes.
+            let dest = |p: usize, i0: usize, spare: *mut f32| -> (*mut f32, usize) {
+                let col0 = (g * GROUP + p) * PANEL;
+                if col0 + PANEL <= n {
+                    (out.0.add(i0 * n + col0), n * 4)
+                } else {
+                    (spare, PANEL * 4)
                 }
-                continue;
+            };
+            let mut i0 = 0;
+            for _ in 0..full_pairs {
+                configure((TILE_ROWS, Some(TILE_ROWS)));
+                for pair in 0..GROUP / 2 {
+                    two_row_tiles(a.as_ptr().add(i0 * kp), wg.add(pair * 2 * KB * PANEL), kp, pair, &dest, &mut spare, i0);
+                    spill(&spare, pair, i0, TILE_ROWS, TILE_ROWS, g, n, out);
+                }
+                i0 += 2 * TILE_ROWS;
             }
-            for pair in 0..GROUP / 2 {
-                for rb in (0..m.div_ceil(TILE_ROWS)).step_by(2) {
-                    two_row_tiles(a.as_ptr().add(rb * TILE_ROWS * kp), wg.add(pair * 2 * KB * PANEL), kp, &mut c);
-                    for (t, tile) in c.iter().enumerate() {
-                        let (r0, p) = (rb + t / 2, 2 * pair + t % 2);
-                        let rows = m.saturating_sub(r0 * TILE_ROWS).min(TILE_ROWS);
-                        copy_out(tile, r0 * TILE_ROWS, rows, (g * GROUP + p) * PANEL, w.n, out);
+            if rest > TILE_ROWS {
+                configure((TILE_ROWS, Some(rest - TILE_ROWS)));
+                for pair in 0..GROUP / 2 {
+                    two_row_tiles(a.as_ptr().add(i0 * kp), wg.add(pair * 2 * KB * PANEL), kp, pair, &dest, &mut spare, i0);
+                    spill(&spare, pair, i0, TILE_ROWS, rest - TILE_ROWS, g, n, out);
+                }
+            } else if rest > 0 {
+                configure((rest, None));
+                let d: [(*mut f32, usize); 4] = std::array::from_fn(|p| dest(p, i0, spare[p].as_mut_ptr()));
+                one_row_tile(a.as_ptr().add(i0 * kp), wg, kp, &d);
+                for p in 0..GROUP {
+                    if d[p].0 == spare[p].as_mut_ptr() {
+                        copy_cols(&spare[p], i0, rest, (g * GROUP + p) * PANEL, n, out);
                     }
                 }
             }
@@ -264,8 +327,23 @@ mod amx {
         asm!("tilerelease", options(nostack));
     }
 
-    /// Rows `[i0, i0 + rows)` of one 16 × 16 accumulator tile into the output at column `col0`.
-    unsafe fn copy_out(tile: &[f32; PANEL * TILE_ROWS], i0: usize, rows: usize, col0: usize, n: usize, out: OutPtr) {
+    /// After a two-row-tile pass over panels `2 * pair` and `2 * pair + 1`: copy whichever
+    /// accumulators went to `spare` (panels past the last column) into the output.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn spill(spare: &[[f32; PANEL * TILE_ROWS]; 4], pair: usize, i0: usize, r0: usize, r1: usize, g: usize, n: usize, out: OutPtr) {
+        for t in 0..4 {
+            let p = 2 * pair + t % 2;
+            let col0 = (g * GROUP + p) * PANEL;
+            if col0 + PANEL > n {
+                let (start, rows) = if t < 2 { (i0, r0) } else { (i0 + TILE_ROWS, r1) };
+                copy_cols(&spare[t], start, rows, col0, n, out);
+            }
+        }
+    }
+
+    /// Rows `[i0, i0 + rows)` of a 16-column accumulator into the output's columns from `col0`
+    /// up to the last one.
+    unsafe fn copy_cols(tile: &[f32; PANEL * TILE_ROWS], i0: usize, rows: usize, col0: usize, n: usize, out: OutPtr) {
         let cols = n.saturating_sub(col0).min(PANEL);
         for ii in 0..rows {
             std::ptr::copy_nonoverlapping(tile[ii * PANEL..].as_ptr(), out.0.add((i0 + ii) * n + col0), cols);
@@ -273,7 +351,7 @@ mod amx {
     }
 
     /// One row tile × four panels over all k-blocks; accumulators stored to `c[0..4]`.
-    unsafe fn one_row_tile(a: *const u16, w: *const u16, kp: usize, c: &mut [[f32; PANEL * TILE_ROWS]; 4]) {
+    unsafe fn one_row_tile(a: *const u16, w: *const u16, kp: usize, d: &[(*mut f32, usize); 4]) {
         asm!(
             "tilezero tmm0",
             "tilezero tmm1",
@@ -293,26 +371,33 @@ mod amx {
             "add {w}, 4096",
             "dec {n}",
             "jnz 2b",
-            "tilestored [{c0} + {s64}], tmm0",
-            "tilestored [{c1} + {s64}], tmm1",
-            "tilestored [{c2} + {s64}], tmm2",
-            "tilestored [{c3} + {s64}], tmm3",
+            "tilestored [{c0} + {d0}], tmm0",
+            "tilestored [{c1} + {d1}], tmm1",
+            "tilestored [{c2} + {d2}], tmm2",
+            "tilestored [{c3} + {d3}], tmm3",
             a = inout(reg) a => _,
             w = inout(reg) w => _,
             n = inout(reg) kp / KB => _,
             astride = in(reg) kp * 2,
             s64 = in(reg) 64usize,
-            c0 = in(reg) c[0].as_mut_ptr(),
-            c1 = in(reg) c[1].as_mut_ptr(),
-            c2 = in(reg) c[2].as_mut_ptr(),
-            c3 = in(reg) c[3].as_mut_ptr(),
+            c0 = in(reg) d[0].0,
+            c1 = in(reg) d[1].0,
+            c2 = in(reg) d[2].0,
+            c3 = in(reg) d[3].0,
+            d0 = in(reg) d[0].1,
+            d1 = in(reg) d[1].1,
+            d2 = in(reg) d[2].1,
+            d3 = in(reg) d[3].1,
             options(nostack),
         );
     }
 
-    /// Two row tiles × two panels (the group's panels at `w` and `w + 1 KB`); accumulators to
-    /// `c[0..4]` as (rows 0-15, panel 0), (rows 0-15, panel 1), (rows 16-31, panel 0), ...
-    unsafe fn two_row_tiles(a: *const u16, w: *const u16, kp: usize, c: &mut [[f32; PANEL * TILE_ROWS]; 4]) {
+    /// Two row tiles × panels `2 * pair` and `2 * pair + 1` of the group (at `w` and `w + 1 KB`).
+    /// Accumulators (rows `i0..`, panel 0), (`i0..`, panel 1), (`i0 + 16..`, panel 0), (`i0 + 16..`,
+    /// panel 1) store where `dest` says (the output, or `spare[0..4]` past the last column).
+    #[allow(clippy::type_complexity)]
+    unsafe fn two_row_tiles(a: *const u16, w: *const u16, kp: usize, pair: usize, dest: &dyn Fn(usize, usize, *mut f32) -> (*mut f32, usize), spare: &mut [[f32; PANEL * TILE_ROWS]; 4], i0: usize) {
+        let d: [(*mut f32, usize); 4] = std::array::from_fn(|t| dest(2 * pair + t % 2, i0 + TILE_ROWS * (t / 2), spare[t].as_mut_ptr()));
         asm!(
             "tilezero tmm0",
             "tilezero tmm1",
@@ -323,6 +408,38 @@ mod amx {
             "tileloadd tmm5, [{a2} + {astride}]",
             "tileloadd tmm6, [{w} + {s64}]",
             "tileloadd tmm7, [{w} + {s64} + 1024]",
+            "prefetcht0 [{w} + {pf} + 0]",
+            "prefetcht0 [{w} + {pf} + 64]",
+            "prefetcht0 [{w} + {pf} + 128]",
+            "prefetcht0 [{w} + {pf} + 192]",
+            "prefetcht0 [{w} + {pf} + 256]",
+            "prefetcht0 [{w} + {pf} + 320]",
+            "prefetcht0 [{w} + {pf} + 384]",
+            "prefetcht0 [{w} + {pf} + 448]",
+            "prefetcht0 [{w} + {pf} + 512]",
+            "prefetcht0 [{w} + {pf} + 576]",
+            "prefetcht0 [{w} + {pf} + 640]",
+            "prefetcht0 [{w} + {pf} + 704]",
+            "prefetcht0 [{w} + {pf} + 768]",
+            "prefetcht0 [{w} + {pf} + 832]",
+            "prefetcht0 [{w} + {pf} + 896]",
+            "prefetcht0 [{w} + {pf} + 960]",
+            "prefetcht0 [{w} + {pf} + 1024]",
+            "prefetcht0 [{w} + {pf} + 1088]",
+            "prefetcht0 [{w} + {pf} + 1152]",
+            "prefetcht0 [{w} + {pf} + 1216]",
+            "prefetcht0 [{w} + {pf} + 1280]",
+            "prefetcht0 [{w} + {pf} + 1344]",
+            "prefetcht0 [{w} + {pf} + 1408]",
+            "prefetcht0 [{w} + {pf} + 1472]",
+            "prefetcht0 [{w} + {pf} + 1536]",
+            "prefetcht0 [{w} + {pf} + 1600]",
+            "prefetcht0 [{w} + {pf} + 1664]",
+            "prefetcht0 [{w} + {pf} + 1728]",
+            "prefetcht0 [{w} + {pf} + 1792]",
+            "prefetcht0 [{w} + {pf} + 1856]",
+            "prefetcht0 [{w} + {pf} + 1920]",
+            "prefetcht0 [{w} + {pf} + 1984]",
             "tdpbf16ps tmm0, tmm4, tmm6",
             "tdpbf16ps tmm1, tmm4, tmm7",
             "tdpbf16ps tmm2, tmm5, tmm6",
@@ -332,20 +449,25 @@ mod amx {
             "add {w}, 4096",
             "dec {n}",
             "jnz 2b",
-            "tilestored [{c0} + {s64}], tmm0",
-            "tilestored [{c1} + {s64}], tmm1",
-            "tilestored [{c2} + {s64}], tmm2",
-            "tilestored [{c3} + {s64}], tmm3",
+            "tilestored [{c0} + {d0}], tmm0",
+            "tilestored [{c1} + {d1}], tmm1",
+            "tilestored [{c2} + {d2}], tmm2",
+            "tilestored [{c3} + {d3}], tmm3",
             a = inout(reg) a => _,
+            pf = in(reg) PREFETCH_AHEAD,
             a2 = inout(reg) a.add(TILE_ROWS * kp) => _,
             w = inout(reg) w => _,
             n = inout(reg) kp / KB => _,
             astride = in(reg) kp * 2,
             s64 = in(reg) 64usize,
-            c0 = in(reg) c[0].as_mut_ptr(),
-            c1 = in(reg) c[1].as_mut_ptr(),
-            c2 = in(reg) c[2].as_mut_ptr(),
-            c3 = in(reg) c[3].as_mut_ptr(),
+            c0 = in(reg) d[0].0,
+            c1 = in(reg) d[1].0,
+            c2 = in(reg) d[2].0,
+            c3 = in(reg) d[3].0,
+            d0 = in(reg) d[0].1,
+            d1 = in(reg) d[1].1,
+            d2 = in(reg) d[2].1,
+            d3 = in(reg) d[3].1,
             options(nostack),
         );
     }
@@ -386,6 +508,18 @@ mod tests {
                 assert_eq!(got, want.to_bits(), "{v:e}");
             }
         }
+    }
+
+    #[test]
+    fn vector_rounding_matches_scalar() {
+        let mut x: Vec<f32> = (0..1000u32).map(|i| f32::from_bits(i.wrapping_mul(2_654_435_761))).collect();
+        x.extend([f32::NAN, -f32::NAN, f32::INFINITY, 3.0, -0.0]);
+        let (k, kp) = (x.len(), x.len().div_ceil(KB) * KB);
+        let a = activations(&x, 1, k, kp);
+        for (i, v) in x.iter().enumerate() {
+            assert_eq!(a[i], round_to_bf16(*v), "{v:e}");
+        }
+        assert!(a[k..].iter().all(|&z| z == 0));
     }
 
     #[test]
