@@ -1,6 +1,7 @@
 //! Where a draft layer's drafting time goes: propose (per tree) and commit, median ms.
 //! `cargo run --release --example draftcost -- MODEL DRAFTER_DIR [weights]` (heads or a draft layer;
 //! weights default to native). Commit timings use a made-up accepted path of two nodes.
+//! `DRAFT_FORMAT=bf16` (or f32, q8_0, ...) drafts in another format than the default q8_0.
 use std::time::Instant;
 
 use selfspec::drafter::Drafter;
@@ -11,7 +12,8 @@ fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let w: selfspec::quant::WeightFormat = args.get(3).map(|s| s.parse()).transpose()?.unwrap_or(selfspec::quant::WeightFormat::Native);
     let target = Target::load_with(args[1].as_ref(), &candle_core::Device::Cpu, w)?;
-    let drafter = Drafter::from_dir(args[2].as_ref(), &target)?;
+    let mut drafter = Drafter::from_dir(args[2].as_ref(), &target)?;
+    if let Ok(f) = std::env::var("DRAFT_FORMAT") { drafter.set_format(f.parse()?)?; }
     let prompt = target.encode_prompt("Explain how a refrigerator keeps food cold, step by step, in detail.", true)?;
     let mut cache = target.model.new_cache()?;
     let hidden = target.model.forward_causal(&prompt, &mut cache)?;
@@ -20,7 +22,7 @@ fn main() -> anyhow::Result<()> {
         v.sort_by(|a, b| a.total_cmp(b));
         v[v.len() / 2]
     };
-    for spec in ["chain:1", "chain:2", "chain:3", "chain:5", "cpu", "dynamic:8", "dynamic:16"] {
+    for spec in ["chain:1", "chain:2", "chain:3", "chain:5", "cpu", "dynamic:8", "dynamic:16", "dynamic:28"] {
         let choice = TreeChoice::parse(spec)?;
         let (mut p, mut c) = (Vec::new(), Vec::new());
         for _ in 0..21 {
