@@ -197,22 +197,29 @@ fn matmul_with(x: &[f32], m: usize, w: &PackedBf16, use_amx: bool) -> Vec<f32> {
 fn portable_groups(a: &[u16], m: usize, w: &PackedBf16, g0: usize, g1: usize, out: OutPtr) {
     let kp = w.kp;
     let f = |b: u16| bf16::from_bits(b).to_f32();
+    // Every row's accumulators for one panel, so each weight pair-row is widened once for all
+    // rows (the weights stream once per call, as on AMX); each output still adds in input order.
+    let mut acc = vec![[0f32; PANEL]; m];
     for g in g0..g1 {
         let chunk = &w.data[g * kp * PANEL * GROUP..][..kp * PANEL * GROUP];
-        for i in 0..m {
-            let row = &a[i * kp..(i + 1) * kp];
-            for p in 0..GROUP {
-                let mut acc = [0f32; PANEL];
-                for kb in 0..kp / KB {
-                    let tile = &chunk[(kb * GROUP + p) * KB * PANEL..][..KB * PANEL];
-                    for r in 0..KB / 2 {
-                        let (x0, x1) = (f(row[kb * KB + 2 * r]), f(row[kb * KB + 2 * r + 1]));
-                        for (c, acc) in acc.iter_mut().enumerate() {
-                            *acc += x0 * f(tile[r * PANEL * 2 + c * 2]);
-                            *acc += x1 * f(tile[r * PANEL * 2 + c * 2 + 1]);
+        for p in 0..GROUP {
+            acc.iter_mut().for_each(|r| *r = [0.0; PANEL]);
+            for kb in 0..kp / KB {
+                let tile = &chunk[(kb * GROUP + p) * KB * PANEL..][..KB * PANEL];
+                for r in 0..KB / 2 {
+                    let pair = &tile[r * PANEL * 2..(r + 1) * PANEL * 2];
+                    let w0: [f32; PANEL] = std::array::from_fn(|c| f(pair[2 * c]));
+                    let w1: [f32; PANEL] = std::array::from_fn(|c| f(pair[2 * c + 1]));
+                    for (i, acc) in acc.iter_mut().enumerate() {
+                        let (x0, x1) = (f(a[i * kp + kb * KB + 2 * r]), f(a[i * kp + kb * KB + 2 * r + 1]));
+                        for c in 0..PANEL {
+                            acc[c] += x0 * w0[c];
+                            acc[c] += x1 * w1[c];
                         }
                     }
                 }
+            }
+            for (i, acc) in acc.iter().enumerate() {
                 for (c, v) in acc.iter().enumerate() {
                     let col = (g * GROUP + p) * PANEL + c;
                     if col < w.n {
