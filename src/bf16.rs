@@ -346,12 +346,12 @@ mod amx {
     /// accumulators went to `spare` (panels past the last column) into the output.
     #[allow(clippy::too_many_arguments)]
     unsafe fn spill(spare: &[[f32; PANEL * TILE_ROWS]; 4], pair: usize, i0: usize, r0: usize, r1: usize, g: usize, n: usize, out: OutPtr) {
-        for t in 0..4 {
+        for (t, tile) in spare.iter().enumerate() {
             let p = 2 * pair + t % 2;
             let col0 = (g * GROUP + p) * PANEL;
             if col0 + PANEL > n {
                 let (start, rows) = if t < 2 { (i0, r0) } else { (i0 + TILE_ROWS, r1) };
-                copy_cols(&spare[t], start, rows, col0, n, out);
+                copy_cols(tile, start, rows, col0, n, out);
             }
         }
     }

@@ -59,8 +59,9 @@ struct ModelArgs {
     /// cpu, cuda, cuda:N or metal.
     #[arg(long, default_value = "cpu")]
     device: String,
-    /// CPU weight format: f32 (dequantised reference), f16, bf16 (AMX tiles where present), q8_0, or native (the GGUF's own
-    /// Q8_0/Q4_0/Q4_1/Q4_K blocks, int8 arithmetic; other types as Q8_0). GPUs always use f32. [default: f32; bench: all]
+    /// CPU weight format: f32 (dequantised reference), f16, bf16 (AMX tiles where the CPU has
+    /// them, slow elsewhere), q8_0, or native (the GGUF's own Q8_0/Q4_0/Q4_1/Q4_K blocks, int8
+    /// arithmetic; other types as Q8_0). GPUs always use f32. [default: f32; bench: all]
     #[arg(long)]
     weights: Option<WeightFormat>,
     /// KV cache element type: f16 (half the bytes for attention to read; the default on the

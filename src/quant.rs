@@ -1,4 +1,5 @@
-//! Weight formats for the CPU fast path: f32, f16, and GGUF Q8_0 / Q4_0 / Q4_1 kept quantized.
+//! Weight formats for the CPU fast path: f32, f16, bf16 (its kernels in [`crate::bf16`]), and
+//! GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K kept quantized.
 //!
 //! Why: decoding one token reads every weight once, so bytes per weight set the speed floor
 //! (SmolLM2-135M: 538 MB in f32, 145 MB in Q8_0, ~90 MB in Q4_1). Keeping the GGUF's own blocks
