@@ -94,28 +94,21 @@ impl PackedBf16 {
 
 /// Activations rounded to bf16, padded with zero inputs to whole k-blocks (row stride `kp`).
 fn activations(x: &[f32], m: usize, k: usize, kp: usize) -> Vec<u16> {
-    // Written row by row, pads included, without zeroing the buffer first: at 32 rows that
-    // memset was a visible share of the serial time between kernels.
-    let mut a: Vec<u16> = Vec::with_capacity(m * kp);
+    let mut a = vec![0u16; m * kp];
     #[cfg(target_arch = "x86_64")]
     let avx512 = matches!(crate::kernels::isa(), crate::kernels::Isa::Avx512);
-    let spare = a.spare_capacity_mut();
-    for i in 0..m {
-        let src = &x[i * k..(i + 1) * k];
-        let (row, pad) = spare[i * kp..(i + 1) * kp].split_at_mut(k);
-        pad.fill(std::mem::MaybeUninit::new(0));
+    for (row, src) in a.chunks_exact_mut(kp).zip(x.chunks_exact(k)) {
+        let row = &mut row[..k];
         #[cfg(target_arch = "x86_64")]
         if avx512 {
-            // SAFETY: AVX-512F was detected; `row` has `src.len()` slots, each written once.
-            unsafe { round_row_avx512(src, row.as_mut_ptr() as *mut u16) };
+            // SAFETY: AVX-512F was detected; `row` has `src.len()` slots.
+            unsafe { round_row_avx512(src, row.as_mut_ptr()) };
             continue;
         }
         for (d, s) in row.iter_mut().zip(src) {
-            d.write(round_to_bf16(*s));
+            *d = round_to_bf16(*s);
         }
     }
-    // SAFETY: every one of the m * kp slots was written above.
-    unsafe { a.set_len(m * kp) };
     a
 }
 
@@ -289,11 +282,8 @@ mod amx {
     /// (pairs of panels), so the weights still stream once per call instead of once per 16
     /// rows. Each row's tile row sees the same instructions in the same order either way.
     pub(super) unsafe fn groups(a: &[u16], m: usize, w: &PackedBf16, g0: usize, g1: usize, out: OutPtr) {
-        let (kp, n) = (w.kp, w.n);
-        // Accumulators store here, then copy, only where a panel runs past the last column.
+        let kp = w.kp;
         let mut spare = [[0f32; PANEL * TILE_ROWS]; 4];
-        let full_pairs = m / (2 * TILE_ROWS);
-        let rest = m - full_pairs * 2 * TILE_ROWS;
         let mut current: Option<(usize, Option<usize>)> = None;
         let mut configure = |shape: (usize, Option<usize>)| {
             if current != Some(shape) {
@@ -304,74 +294,88 @@ mod amx {
         };
         for g in g0..g1 {
             let wg = w.data.as_ptr().add(g * kp * PANEL * GROUP);
-            // Where panel `p`'s accumulator rows starting at `i0` go, with its row stride in bytes.
-            let dest = |p: usize, i0: usize, spare: *mut f32| -> (*mut f32, usize) {
-                let col0 = (g * GROUP + p) * PANEL;
-                if col0 + PANEL <= n {
-                    (out.0.add(i0 * n + col0), n * 4)
-                } else {
-                    (spare, PANEL * 4)
-                }
-            };
+            // Row tiles in pairs, then what is left: a last pair, or a single tile.
             let mut i0 = 0;
-            for _ in 0..full_pairs {
-                configure((TILE_ROWS, Some(TILE_ROWS)));
-                for pair in 0..GROUP / 2 {
-                    two_row_tiles(a.as_ptr().add(i0 * kp), wg.add(pair * 2 * KB * PANEL), kp, pair, &dest, &mut spare, i0);
-                    spill(&spare, pair, i0, TILE_ROWS, TILE_ROWS, g, n, out);
-                }
-                i0 += 2 * TILE_ROWS;
-            }
-            if rest > TILE_ROWS {
-                configure((TILE_ROWS, Some(rest - TILE_ROWS)));
-                for pair in 0..GROUP / 2 {
-                    two_row_tiles(a.as_ptr().add(i0 * kp), wg.add(pair * 2 * KB * PANEL), kp, pair, &dest, &mut spare, i0);
-                    spill(&spare, pair, i0, TILE_ROWS, rest - TILE_ROWS, g, n, out);
-                }
-            } else if rest > 0 {
-                configure((rest, None));
-                let d: [(*mut f32, usize); 4] = std::array::from_fn(|p| dest(p, i0, spare[p].as_mut_ptr()));
-                one_row_tile(a.as_ptr().add(i0 * kp), wg, kp, &d);
-                for p in 0..GROUP {
-                    if d[p].0 == spare[p].as_mut_ptr() {
-                        copy_cols(&spare[p], i0, rest, (g * GROUP + p) * PANEL, n, out);
+            while i0 < m {
+                let left = m - i0;
+                let ai = a.as_ptr().add(i0 * kp);
+                if left > TILE_ROWS {
+                    let r1 = (left - TILE_ROWS).min(TILE_ROWS);
+                    configure((TILE_ROWS, Some(r1)));
+                    for pair in 0..GROUP / 2 {
+                        let (p0, p1) = (2 * pair, 2 * pair + 1);
+                        let accs = [(i0, TILE_ROWS, p0), (i0, TILE_ROWS, p1), (i0 + TILE_ROWS, r1, p0), (i0 + TILE_ROWS, r1, p1)];
+                        with_accumulators(accs, g, w.n, out, &mut spare, |d| two_row_tiles(ai, wg.add(pair * 2 * KB * PANEL), kp, d));
                     }
+                    i0 += TILE_ROWS + r1;
+                } else {
+                    configure((left, None));
+                    let accs = std::array::from_fn(|p| (i0, left, p));
+                    with_accumulators(accs, g, w.n, out, &mut spare, |d| one_row_tile(ai, wg, kp, d));
+                    i0 = m;
                 }
             }
         }
         asm!("tilerelease", options(nostack));
     }
 
-    /// After a two-row-tile pass over panels `2 * pair` and `2 * pair + 1`: copy whichever
-    /// accumulators went to `spare` (panels past the last column) into the output.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn spill(spare: &[[f32; PANEL * TILE_ROWS]; 4], pair: usize, i0: usize, r0: usize, r1: usize, g: usize, n: usize, out: OutPtr) {
-        for (t, tile) in spare.iter().enumerate() {
-            let p = 2 * pair + t % 2;
-            let col0 = (g * GROUP + p) * PANEL;
-            if col0 + PANEL > n {
-                let (start, rows) = if t < 2 { (i0, r0) } else { (i0 + TILE_ROWS, r1) };
-                copy_cols(tile, start, rows, col0, n, out);
+    /// Runs `kernel` with the four accumulators' destinations: accumulator `t` holds rows
+    /// `[i0, i0 + rows)` of group `g`'s panel `p` (`accs[t] = (i0, rows, p)`). A panel inside
+    /// the matrix stores straight into the output (row stride `n` floats); one past the last
+    /// column stores into `spare[t]`, and only its columns inside the matrix are copied out.
+    unsafe fn with_accumulators(accs: [(usize, usize, usize); 4], g: usize, n: usize, out: OutPtr, spare: &mut [[f32; PANEL * TILE_ROWS]; 4], kernel: impl FnOnce(&[(*mut f32, usize); 4])) {
+        let col0 = |p: usize| (g * GROUP + p) * PANEL;
+        let d: [(*mut f32, usize); 4] = std::array::from_fn(|t| {
+            let (i0, _, p) = accs[t];
+            if col0(p) + PANEL <= n {
+                (out.0.add(i0 * n + col0(p)), n * 4)
+            } else {
+                (spare[t].as_mut_ptr(), PANEL * 4)
+            }
+        });
+        kernel(&d);
+        for (t, &(i0, rows, p)) in accs.iter().enumerate() {
+            if col0(p) + PANEL > n {
+                let cols = n.saturating_sub(col0(p)).min(PANEL);
+                for ii in 0..rows {
+                    std::ptr::copy_nonoverlapping(spare[t][ii * PANEL..].as_ptr(), out.0.add((i0 + ii) * n + col0(p)), cols);
+                }
             }
         }
     }
 
-    /// Rows `[i0, i0 + rows)` of a 16-column accumulator into the output's columns from `col0`
-    /// up to the last one.
-    unsafe fn copy_cols(tile: &[f32; PANEL * TILE_ROWS], i0: usize, rows: usize, col0: usize, n: usize, out: OutPtr) {
-        let cols = n.saturating_sub(col0).min(PANEL);
-        for ii in 0..rows {
-            std::ptr::copy_nonoverlapping(tile[ii * PANEL..].as_ptr(), out.0.add((i0 + ii) * n + col0), cols);
-        }
+    /// Zero the accumulators tmm0-3 (before a kernel's k loop).
+    #[inline(always)]
+    unsafe fn zero_accumulators() {
+        asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
     }
 
-    /// One row tile × four panels over all k-blocks; accumulators stored to `c[0..4]`.
-    unsafe fn one_row_tile(a: *const u16, w: *const u16, kp: usize, d: &[(*mut f32, usize); 4]) {
+    /// Store accumulators tmm0-3 to `d[t]` = (address, row stride in bytes). The tile registers
+    /// keep their values between `asm!` blocks: nothing else in the program touches them.
+    #[inline(always)]
+    unsafe fn store_accumulators(d: &[(*mut f32, usize); 4]) {
         asm!(
-            "tilezero tmm0",
-            "tilezero tmm1",
-            "tilezero tmm2",
-            "tilezero tmm3",
+            "tilestored [{c0} + {d0}], tmm0",
+            "tilestored [{c1} + {d1}], tmm1",
+            "tilestored [{c2} + {d2}], tmm2",
+            "tilestored [{c3} + {d3}], tmm3",
+            c0 = in(reg) d[0].0,
+            c1 = in(reg) d[1].0,
+            c2 = in(reg) d[2].0,
+            c3 = in(reg) d[3].0,
+            d0 = in(reg) d[0].1,
+            d1 = in(reg) d[1].1,
+            d2 = in(reg) d[2].1,
+            d3 = in(reg) d[3].1,
+            options(nostack),
+        );
+    }
+
+    /// One row tile × the group's four panels over all k-blocks; accumulator `t` (panel `t`)
+    /// stores to `d[t]`.
+    unsafe fn one_row_tile(a: *const u16, w: *const u16, kp: usize, d: &[(*mut f32, usize); 4]) {
+        zero_accumulators();
+        asm!(
             "2:",
             "tileloadd tmm4, [{a} + {astride}]",
             "tileloadd tmm5, [{w} + {s64}]",
@@ -386,38 +390,21 @@ mod amx {
             "add {w}, 4096",
             "dec {n}",
             "jnz 2b",
-            "tilestored [{c0} + {d0}], tmm0",
-            "tilestored [{c1} + {d1}], tmm1",
-            "tilestored [{c2} + {d2}], tmm2",
-            "tilestored [{c3} + {d3}], tmm3",
             a = inout(reg) a => _,
             w = inout(reg) w => _,
             n = inout(reg) kp / KB => _,
             astride = in(reg) kp * 2,
             s64 = in(reg) 64usize,
-            c0 = in(reg) d[0].0,
-            c1 = in(reg) d[1].0,
-            c2 = in(reg) d[2].0,
-            c3 = in(reg) d[3].0,
-            d0 = in(reg) d[0].1,
-            d1 = in(reg) d[1].1,
-            d2 = in(reg) d[2].1,
-            d3 = in(reg) d[3].1,
             options(nostack),
         );
+        store_accumulators(d);
     }
 
-    /// Two row tiles × panels `2 * pair` and `2 * pair + 1` of the group (at `w` and `w + 1 KB`).
-    /// Accumulators (rows `i0..`, panel 0), (`i0..`, panel 1), (`i0 + 16..`, panel 0), (`i0 + 16..`,
-    /// panel 1) store where `dest` says (the output, or `spare[0..4]` past the last column).
-    #[allow(clippy::type_complexity)]
-    unsafe fn two_row_tiles(a: *const u16, w: *const u16, kp: usize, pair: usize, dest: &dyn Fn(usize, usize, *mut f32) -> (*mut f32, usize), spare: &mut [[f32; PANEL * TILE_ROWS]; 4], i0: usize) {
-        let d: [(*mut f32, usize); 4] = std::array::from_fn(|t| dest(2 * pair + t % 2, i0 + TILE_ROWS * (t / 2), spare[t].as_mut_ptr()));
+    /// Two row tiles × two panels of the group (at `w` and `w + 1 KB`); accumulators (first
+    /// tile, panel 0), (first, panel 1), (second, panel 0), (second, panel 1) store to `d[0..4]`.
+    unsafe fn two_row_tiles(a: *const u16, w: *const u16, kp: usize, d: &[(*mut f32, usize); 4]) {
+        zero_accumulators();
         asm!(
-            "tilezero tmm0",
-            "tilezero tmm1",
-            "tilezero tmm2",
-            "tilezero tmm3",
             "2:",
             "tileloadd tmm4, [{a} + {astride}]",
             "tileloadd tmm5, [{a2} + {astride}]",
@@ -464,10 +451,6 @@ mod amx {
             "add {w}, 4096",
             "dec {n}",
             "jnz 2b",
-            "tilestored [{c0} + {d0}], tmm0",
-            "tilestored [{c1} + {d1}], tmm1",
-            "tilestored [{c2} + {d2}], tmm2",
-            "tilestored [{c3} + {d3}], tmm3",
             a = inout(reg) a => _,
             pf = in(reg) PREFETCH_AHEAD,
             a2 = inout(reg) a.add(TILE_ROWS * kp) => _,
@@ -475,16 +458,9 @@ mod amx {
             n = inout(reg) kp / KB => _,
             astride = in(reg) kp * 2,
             s64 = in(reg) 64usize,
-            c0 = in(reg) d[0].0,
-            c1 = in(reg) d[1].0,
-            c2 = in(reg) d[2].0,
-            c3 = in(reg) d[3].0,
-            d0 = in(reg) d[0].1,
-            d1 = in(reg) d[1].1,
-            d2 = in(reg) d[2].1,
-            d3 = in(reg) d[3].1,
             options(nostack),
         );
+        store_accumulators(d);
     }
 }
 
