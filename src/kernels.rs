@@ -628,6 +628,27 @@ pub(crate) fn contiguous<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candl
     }
 }
 
+/// A `[t, h, d]` tensor whose heads are contiguous within each row but whose rows may lie apart
+/// (q as a view of the fused q/k/v output): its data from the first element on, and the
+/// distance between rows.
+fn rows_apart<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<(&'a [f32], usize)> {
+    let data = match s {
+        CpuStorage::F32(d) => d.as_slice(),
+        _ => candle_core::bail!("{what}: batch-invariant kernels take f32"),
+    };
+    let (t, h, d) = l.shape().dims3()?;
+    let st = l.stride();
+    if (h > 1 && st[1] != d) || (d > 1 && st[2] != 1) || (t > 1 && st[0] < h * d) {
+        candle_core::bail!("{what}: heads of each row must be contiguous, got strides {st:?} for shape {:?}", l.shape())
+    }
+    let row = if t > 1 { st[0] } else { h * d };
+    let end = l.start_offset() + t.saturating_sub(1) * row + h * d;
+    match data.get(l.start_offset()..end) {
+        Some(x) => Ok((x, row)),
+        None => candle_core::bail!("{what}: layout reaches past its storage"),
+    }
+}
+
 /// A head-major K or V (`[hkv, s, d]`) whose rows are contiguous within each head: its data
 /// from the first element on, and the distance between heads.
 fn head_major<'a, E>(data: &'a [E], l: &Layout, what: &str) -> candle_core::Result<(&'a [E], usize)> {
@@ -867,6 +888,103 @@ impl candle_core::CustomOp3 for RopeThd {
     }
 }
 
+/// [`RopeThd`] in place on the first `heads` heads of each row of a contiguous `[t, W]` tensor
+/// (the fused q/k/v output: q's heads, then k's, then v's, which stay as they are), with the
+/// same arithmetic, so the same bits. Why: the decode forward then needs no copies of q, k and
+/// v, nor two fresh rotated tensors, per layer.
+pub struct RopeInPlace {
+    pub heads: usize,
+}
+
+impl candle_core::InplaceOp3 for RopeInPlace {
+    fn name(&self) -> &'static str {
+        "selfspec-rope-in-place"
+    }
+    fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> candle_core::Result<()> {
+        let cos = contiguous(s2, l2, "rope cos")?;
+        let sin = contiguous(s3, l3, "rope sin")?;
+        let (t, w) = l1.shape().dims2()?;
+        let (t2, half) = l2.shape().dims2()?;
+        let d = 2 * half;
+        if t2 != t || l3.dims() != [t, half] || self.heads * d > w {
+            candle_core::bail!("rope in place: x {:?}, cos {:?}, sin {:?}, {} heads", l1.dims(), l2.dims(), l3.dims(), self.heads)
+        }
+        let x = match (s1, l1.contiguous_offsets()) {
+            (CpuStorage::F32(x), Some((a, b))) => &mut x[a..b],
+            _ => candle_core::bail!("rope in place: x must be contiguous f32"),
+        };
+        for (i, row) in x.chunks_mut(w).enumerate() {
+            let (c, s) = (&cos[i * half..(i + 1) * half], &sin[i * half..(i + 1) * half]);
+            for head in row[..self.heads * d].chunks_mut(d) {
+                let (x1, x2) = head.split_at_mut(half);
+                for j in 0..half {
+                    let (a, b) = (x1[j], x2[j]);
+                    x1[j] = a * c[j] - b * s[j];
+                    x2[j] = a * s[j] + b * c[j];
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Writes new K or V rows (`[t, hkv, d]`, f32, rows possibly apart) into a head-major cache
+/// tensor (`[hkv, capacity, d]`, f16 or f32) at slots `at..at + t`, converting in one pass.
+/// Why: candle's transpose, `to_dtype` (one f16 conversion call per value) and `slice_set` took
+/// about 1.6% of an 8-row forward on the calling thread while the team waited.
+pub struct KvStore {
+    pub at: usize,
+}
+
+impl candle_core::InplaceOp2 for KvStore {
+    fn name(&self) -> &'static str {
+        "selfspec-kv-store"
+    }
+    fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<()> {
+        let (hkv, cap, d) = l1.shape().dims3()?;
+        let (t, hkv2, d2) = l2.shape().dims3()?;
+        if hkv2 != hkv || d2 != d || self.at + t > cap {
+            candle_core::bail!("kv store: rows {:?} into cache {:?} at slot {}", l2.dims(), l1.dims(), self.at)
+        }
+        let src = match s2 {
+            CpuStorage::F32(x) => x.as_slice(),
+            _ => candle_core::bail!("kv store: new rows must be f32"),
+        };
+        let st = l2.stride();
+        if d > 1 && st[2] != 1 {
+            candle_core::bail!("kv store: each row must be contiguous, got strides {st:?}")
+        }
+        let (a, b) = l1.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("kv store: cache must be contiguous".into()))?;
+        let row = |i: usize, h: usize| -> candle_core::Result<&[f32]> {
+            let o = l2.start_offset() + i * st[0] + h * st[1];
+            src.get(o..o + d).ok_or_else(|| candle_core::Error::Msg("kv store: layout reaches past its storage".into()))
+        };
+        match s1 {
+            CpuStorage::F32(c) => {
+                let c = &mut c[a..b];
+                for i in 0..t {
+                    for h in 0..hkv {
+                        let o = (h * cap + self.at + i) * d;
+                        c[o..o + d].copy_from_slice(row(i, h)?);
+                    }
+                }
+            }
+            CpuStorage::F16(c) => {
+                use half::slice::HalfFloatSliceExt;
+                let c = &mut c[a..b];
+                for i in 0..t {
+                    for h in 0..hkv {
+                        let o = (h * cap + self.at + i) * d;
+                        c[o..o + d].convert_from_f32_slice(row(i, h)?);
+                    }
+                }
+            }
+            _ => candle_core::bail!("kv store: the cache must be f16 or f32"),
+        }
+        Ok(())
+    }
+}
+
 fn swiglu_row(g: &[f32], u: &[f32], o: &mut [f32]) {
     for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
         *o = g / (1.0 + exp_clamped(-g)) * u;
@@ -916,7 +1034,7 @@ impl CustomOp3 for TreeAttention {
         sv: &CpuStorage,
         lv: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let q = contiguous(sq, lq, "attention q")?;
+        let q = rows_apart(sq, lq, "attention q")?;
         match (sk, sv) {
             (CpuStorage::F32(k), CpuStorage::F32(v)) => self.run(q, lq, (k, lk), (v, lv)),
             (CpuStorage::F16(k), CpuStorage::F16(v)) => self.run(q, lq, (k, lk), (v, lv)),
@@ -926,7 +1044,7 @@ impl CustomOp3 for TreeAttention {
 }
 
 impl TreeAttention {
-    fn run<E: Elem>(&self, q: &[f32], lq: &Layout, (k, lk): (&[E], &Layout), (v, lv): (&[E], &Layout)) -> candle_core::Result<(CpuStorage, Shape)> {
+    fn run<E: Elem>(&self, (q, q_row): (&[f32], usize), lq: &Layout, (k, lk): (&[E], &Layout), (v, lv): (&[E], &Layout)) -> candle_core::Result<(CpuStorage, Shape)> {
         let (k, k_stride) = head_major(k, lk, "attention k")?;
         let (v, v_stride) = head_major(v, lv, "attention v")?;
         let (t, h, d) = lq.shape().dims3()?;
@@ -970,8 +1088,8 @@ impl TreeAttention {
                 let pairs: Vec<Pair> = (first..first + count)
                     .map(|idx| {
                         let (i, hh) = (idx / group, g * group + idx % group);
-                        let q0 = (i * h + hh) * d;
-                        Pair { q: &q[q0..q0 + d], keys: &keys[bounds[i - r0]..bounds[i - r0 + 1]], out: outp.offset(q0) }
+                        let q0 = i * q_row + hh * d;
+                        Pair { q: &q[q0..q0 + d], keys: &keys[bounds[i - r0]..bounds[i - r0 + 1]], out: outp.offset((i * h + hh) * d) }
                     })
                     .collect();
                 let kv = KvHead { k, v, head_stride: k_stride, kvh: g, d, scale };
@@ -1499,6 +1617,53 @@ mod tests {
         }
     }
 
+    /// The decode path's in-place rotation gives [`RopeThd`]'s bits for q and k and leaves v
+    /// alone; shapes that do not fit are refused.
+    #[test]
+    fn rope_in_place_matches_rope_thd() {
+        use candle_core::{Device, Tensor};
+        let dev = Device::Cpu;
+        let (nh, nkv, hd) = (3, 1, 64);
+        let w = (nh + 2 * nkv) * hd;
+        for t in [1usize, 4] {
+            let qkv = Tensor::from_vec(rand_vec(t * w, 21 + t as u64), (t, w), &dev).unwrap();
+            let cos = Tensor::from_vec(rand_vec(t * hd / 2, 22), (t, hd / 2), &dev).unwrap();
+            let sin = Tensor::from_vec(rand_vec(t * hd / 2, 23), (t, hd / 2), &dev).unwrap();
+            let heads = |x: &Tensor, a: usize, n: usize| x.reshape((t, nh + 2 * nkv, hd)).unwrap().narrow(1, a, n).unwrap().contiguous().unwrap();
+            let want = |a: usize, n: usize| heads(&qkv, a, n).unsqueeze(0).unwrap().apply_op3_no_bwd(&cos, &sin, &RopeThd).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let (want_q, want_k) = (want(0, nh), want(nh, nkv));
+            let v_before = heads(&qkv, nh + nkv, nkv).flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let rotated = qkv.copy().unwrap();
+            rotated.inplace_op3(&cos, &sin, &RopeInPlace { heads: nh + nkv }).unwrap();
+            let got = |a: usize, n: usize| heads(&rotated, a, n).flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(got(0, nh), want_q, "q, {t} tokens");
+            assert_eq!(got(nh, nkv), want_k, "k, {t} tokens");
+            assert_eq!(got(nh + nkv, nkv), v_before, "v untouched, {t} tokens");
+            assert!(rotated.inplace_op3(&cos, &sin, &RopeInPlace { heads: nh + 2 * nkv + 1 }).is_err(), "more heads than the row holds");
+        }
+    }
+
+    /// New K/V rows, a strided view as the decode path passes them, land in the head-major cache
+    /// with the bits candle's transpose, `to_dtype` and `slice_set` gave, in f16 and f32; rows
+    /// past the capacity are refused.
+    #[test]
+    fn kv_store_matches_candle_conversion() {
+        use candle_core::{DType, Device, Tensor};
+        let dev = Device::Cpu;
+        let (hkv, d, cap, at, t) = (2, 64, 12, 5, 3);
+        let wide = Tensor::from_vec(rand_vec(t * (hkv + 1) * d, 31), (t, hkv + 1, d), &dev).unwrap();
+        let rows = wide.narrow(1, 1, hkv).unwrap();
+        for dtype in [DType::F16, DType::F32] {
+            let want = Tensor::zeros((hkv, cap, d), dtype, &dev).unwrap();
+            want.slice_set(&rows.transpose(0, 1).unwrap().to_dtype(dtype).unwrap().contiguous().unwrap(), 1, at).unwrap();
+            let got = Tensor::zeros((hkv, cap, d), dtype, &dev).unwrap();
+            got.inplace_op2(&rows, &KvStore { at }).unwrap();
+            let bits = |x: &Tensor| x.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(bits(&got), bits(&want), "{dtype:?}");
+            assert!(got.inplace_op2(&rows, &KvStore { at: cap - 1 }).is_err(), "{dtype:?}: past the capacity");
+        }
+    }
+
     #[test]
     fn simd_attention_matches_the_reference_bit_for_bit() {
         let (hkv, d) = (3, 64);
@@ -1554,6 +1719,12 @@ mod tests {
             let run = |k: Tensor, v: Tensor| -> Vec<f32> { qt.apply_op3_no_bwd(&view(k), &view(v), &op).unwrap().flatten_all().unwrap().to_vec1().unwrap() };
             let got32 = run(Tensor::new(k.as_slice(), &dev).unwrap(), Tensor::new(v.as_slice(), &dev).unwrap());
             let got16 = run(Tensor::new(k16.as_slice(), &dev).unwrap(), Tensor::new(v16.as_slice(), &dev).unwrap());
+            // q as the decode path passes it: the first h heads of wider rows (fused q/k/v).
+            let wide = Tensor::cat(&[&qt, &Tensor::ones((t, 3, d), candle_core::DType::F32, &dev).unwrap()], 1).unwrap();
+            let qv = wide.narrow(1, 0, h).unwrap();
+            assert!(!qv.is_contiguous() || t == 1);
+            let got_view: Vec<f32> = qv.apply_op3_no_bwd(&view(Tensor::new(k.as_slice(), &dev).unwrap()), &view(Tensor::new(v.as_slice(), &dev).unwrap()), &op).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            assert_eq!(got_view, got32, "q as a view, t={t} prefix={prefix}");
             for i in 0..t {
                 let keys: Vec<usize> = (0..prefix).chain((0..t).filter(|&j| mask.sees(i, j)).map(|j| prefix + j)).collect();
                 for hh in 0..h {

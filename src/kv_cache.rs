@@ -92,16 +92,23 @@ impl KvCache {
         self.ensure_capacity(self.len + t)
     }
 
-    /// Write layer `layer`'s K/V for the `t` new tokens (`[t, kv_heads, head_dim]`) after the
-    /// committed prefix and return the K/V of prefix plus new tokens, head-major
-    /// (`[kv_heads, len + t, head_dim]`, a view into the cache, in the cache's dtype). The length
-    /// moves only when the whole forward is done (`append`).
+    /// Write layer `layer`'s K/V for the `t` new tokens (`[t, kv_heads, head_dim]`; on the CPU
+    /// f32 views whose rows lie apart are fine) after the committed prefix and return the K/V of
+    /// prefix plus new tokens, head-major (`[kv_heads, len + t, head_dim]`, a view into the
+    /// cache, in the cache's dtype). The length moves only when the whole forward is done
+    /// (`append`).
     pub fn write(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let t = k.dim(0)?;
         self.ensure_capacity(self.len + t)?;
         let l = &self.layers[layer];
-        l.k.slice_set(&k.transpose(0, 1)?.to_dtype(self.dtype)?.contiguous()?, 1, self.len)?;
-        l.v.slice_set(&v.transpose(0, 1)?.to_dtype(self.dtype)?.contiguous()?, 1, self.len)?;
+        if self.device.is_cpu() && k.dtype() == DType::F32 && v.dtype() == DType::F32 {
+            let op = crate::kernels::KvStore { at: self.len };
+            l.k.inplace_op2(k, &op)?;
+            l.v.inplace_op2(v, &op)?;
+        } else {
+            l.k.slice_set(&k.transpose(0, 1)?.to_dtype(self.dtype)?.contiguous()?, 1, self.len)?;
+            l.v.slice_set(&v.transpose(0, 1)?.to_dtype(self.dtype)?.contiguous()?, 1, self.len)?;
+        }
         self.pending = t;
         Ok((l.k.narrow(1, 0, self.len + t)?, l.v.narrow(1, 0, self.len + t)?))
     }

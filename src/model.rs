@@ -589,6 +589,20 @@ impl Attention {
     fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, spans: &[AttnSpan], caches: &mut [&mut KvCache], layer: usize) -> Result<Tensor> {
         let t = x.dim(0)?;
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let scale = 1.0 / (hd as f32).sqrt();
+        if let (Some(f), [sp], [cache]) = (&self.qkv, spans, &mut *caches) {
+            if f.applies(x)? {
+                // The CPU decode path: q and k rotated in place in the fused output, then q, k
+                // and v read from it as views (no copies), k and v stored straight into the cache.
+                let qkv = f.forward_joined(x)?;
+                qkv.inplace_op3(cos, sin, &crate::kernels::RopeInPlace { heads: nh + nkv })?;
+                let parts = qkv.reshape((t, nh + 2 * nkv, hd))?;
+                let (k_all, v_all) = cache.write(layer, &parts.narrow(1, nh, nkv)?, &parts.narrow(1, nh + nkv, nkv)?)?;
+                let op = TreeAttention { mask: sp.mask.clone(), prefix_len: sp.prefix, scale };
+                let out = parts.narrow(1, 0, nh)?.apply_op3_no_bwd(&k_all, &v_all, &op)?;
+                return self.o.forward(&out.reshape((t, nh * hd))?);
+            }
+        }
         let (q, k, v) = match &self.qkv {
             Some(f) if f.applies(x)? => match <[Tensor; 3]>::try_from(f.forward(x)?) {
                 Ok([q, k, v]) => (q.contiguous()?, k.contiguous()?, v.contiguous()?),
@@ -601,7 +615,6 @@ impl Attention {
         let v = v.reshape((t, nkv, hd))?;
         let q = rope_thd(&q, cos, sin)?.squeeze(0)?;
         let k = rope_thd(&k, cos, sin)?.squeeze(0)?;
-        let scale = 1.0 / (hd as f32).sqrt();
         let mut outs = Vec::with_capacity(spans.len());
         for (sp, cache) in spans.iter().zip(caches.iter_mut()) {
             let (q, k, v) = if spans.len() == 1 {
