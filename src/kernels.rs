@@ -591,12 +591,14 @@ pub fn matmul_packed(x: &[f32], m: usize, pw: &PackedWeight) -> Vec<f32> {
     assert_eq!(x.len(), m * pw.k, "x has {} values, expected {m}x{}", x.len(), pw.k);
     let n = pw.n;
     let panels = n.div_ceil(PANEL);
-    // One contiguous run of panels per thread, at most 32 panels (512 columns) a task. Why so
-    // few tasks: with 4 panels a task, a 576-column matrix made 9 tasks that split 5:4 between
-    // two threads, and each task restarted its weight stream; halves read each thread's share as
-    // one stream. Interleaved A/B on SmolLM2 (2 threads): 1 row 16.4-17.1 -> 15.7-16.1 ms,
-    // 8 rows 19.6-20.4 -> 18.1-18.6 ms. Big matrices (lm_head) still get many tasks.
-    let per_task = panels.div_ceil(crate::team::threads()).clamp(1, 32);
+    // As few tasks as balance allows: a whole multiple of the thread count, each at most 32
+    // panels (512 columns). Why so few: with 4 panels a task, a 576-column matrix made 9 tasks
+    // that split 5:4 between two threads, and each task restarted its weight stream; halves read
+    // each thread's share as one stream. Interleaved A/B on SmolLM2 (2 threads): 1 row
+    // 16.4-17.1 -> 15.7-16.1 ms, 8 rows 19.6-20.4 -> 18.1-18.6 ms. lm_head gets 96 tasks.
+    let threads = crate::team::threads();
+    let balanced = panels.div_ceil(threads * 32).max(1) * threads;
+    let per_task = panels.div_ceil(balanced).max(1);
     let tasks = panels.div_ceil(per_task);
     let isa = isa();
     // SAFETY: the tasks' panels cover every column, and each panel writes all rows.
