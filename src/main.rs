@@ -365,10 +365,11 @@ fn progress(len: u64, what: &str) -> indicatif::ProgressBar {
 
 fn print_eval(r: &EvalReport) {
     println!("tau = tokens emitted per target forward, the bonus token counted (plain decoding = 1.00); copied = of those, accepted tokens from the +lookup branch");
-    println!("{:<24} {:>6} {:>6} {:>7} {:>11} {:>12} {:>9} {:>10}", "tree", "nodes", "tau", "copied", "spec tok/s", "plain tok/s", "speed-up", "identical");
+    println!("speed-up = median over turns of tok/s, each way; overall = all tokens / all decoding time, each way");
+    println!("{:<24} {:>6} {:>6} {:>7} {:>11} {:>12} {:>9} {:>8} {:>10}", "tree", "nodes", "tau", "copied", "spec tok/s", "plain tok/s", "speed-up", "overall", "identical");
     for (name, s) in r.trees.iter().zip(&r.overall) {
         println!(
-            "{:<24} {:>6.1} {:>6.2} {:>7.2} {:>11.1} {:>12.1} {:>8.2}x {:>10}",
+            "{:<24} {:>6.1} {:>6.2} {:>7.2} {:>11.1} {:>12.1} {:>8.2}x {:>7.2}x {:>10}",
             name,
             s.mean_tree_nodes,
             s.tau,
@@ -376,6 +377,7 @@ fn print_eval(r: &EvalReport) {
             s.spec_tok_s_median,
             s.plain_tok_s_median,
             s.speedup,
+            s.speedup_total,
             s.all_identical.map_or("n/a", |b| if b { "yes" } else { "NO" })
         );
     }
