@@ -1,7 +1,8 @@
 //! Where a draft layer's drafting time goes: propose (per tree) and commit, median ms.
 //! `cargo run --release --example draftcost -- MODEL DRAFTER_DIR [weights]` (heads or a draft layer;
 //! weights default to native). Commit timings use a made-up accepted path of two nodes.
-//! `DRAFT_FORMAT=bf16` (or f32, q8_0, ...) drafts in another format than the default q8_0.
+//! `DRAFT_FORMAT=bf16` (or f32, q8_0, ...) drafts in another format than the default (`native`:
+//! 4-bit blocks for a draft layer, 8-bit for heads).
 use std::time::Instant;
 
 use selfspec::drafter::Drafter;

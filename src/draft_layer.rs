@@ -232,12 +232,32 @@ impl DraftLayer {
         crate::error::write_atomic(&dir.join(LAYER_CONFIG_FILE), json.as_bytes())
     }
 
-    /// Fast-path format of every projection (native means Q8_0: drafts need not be exact, and
-    /// the layer has no GGUF blocks of its own).
+    /// Fast-path format of every projection. `Native` means 4-bit blocks (Q4_1) of every
+    /// matrix, the draft vocabulary's slice of lm_head included: the layer has no GGUF blocks of
+    /// its own, and drafts need not be exact (verification decides what is emitted). Why 4-bit:
+    /// a level reads the layer's and the slice's weights again, and from 8-bit blocks that was
+    /// 0.2 ms of a 2.3 ms native step; 4-bit blocks cut drafting and the drafter's commit by a
+    /// fifth to a third with τ within 0.03 (12 bundled prompts, native and f32 targets).
     pub fn set_format(&mut self, format: WeightFormat) -> Result<()> {
-        let format = if format == WeightFormat::Native { WeightFormat::Q8_0 } else { format };
-        self.fc.set_format(format, None)?;
-        self.llama.set_weights(format, &crate::model::NativeWeights::new())
+        if format != WeightFormat::Native || !self.fc.weight().device().is_cpu() {
+            // Off the CPU the formats fall back to candle's f32, as for the target.
+            let format = if format == WeightFormat::Native { WeightFormat::Q8_0 } else { format };
+            self.fc.set_format(format, None)?;
+            return self.llama.set_weights(format, &crate::model::NativeWeights::new());
+        }
+        let q4 = |t: &Tensor| -> Result<crate::quant::QuantRows> {
+            let (n, k) = t.dims2()?;
+            crate::quant::QuantRows::quantize_q4_1(&t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?, n, k)
+        };
+        let mut blocks = crate::model::NativeWeights::new();
+        for (name, t) in &self.tensors {
+            if t.rank() == 2 && name != "fc.weight" {
+                blocks.insert(name.clone(), crate::model::NativeWeight::Blocks(q4(t)?));
+            }
+        }
+        blocks.insert("model.embed_tokens.weight".into(), crate::model::NativeWeight::Blocks(q4(self.llama.lm_head().weight())?));
+        self.fc.set_format(WeightFormat::Native, Some(&q4(self.fc.weight())?))?;
+        self.llama.set_weights(WeightFormat::Native, &blocks)
     }
 
     pub fn with_recipe(mut self, recipe: serde_json::Value) -> Self {

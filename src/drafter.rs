@@ -25,9 +25,10 @@ pub const LAYER_MAX_DEPTH: usize = 8;
 /// The CPU weight format drafters run in, whatever the target's. Drafts need not match the
 /// target's numerics (verification decides what is emitted), only be cheap: with an f32 target,
 /// an f32 draft layer re-read its 17 MB of weights and a 19 MB slice of lm_head at every level,
-/// 1–2 ms each, a large share of a 20 ms step. 8-bit blocks read a quarter of that and keep the
-/// drafts (the top guess is unchanged in tests).
-pub const DRAFTING_FORMAT: WeightFormat = WeightFormat::Q8_0;
+/// 1–2 ms each, a large share of a 20 ms step. `Native` here means 8-bit blocks for heads
+/// ([`Heads::set_draft_format`]) and 4-bit blocks for a draft layer
+/// ([`DraftLayer::set_format`]): an eighth of the f32 bytes, the top guesses mostly unchanged.
+pub const DRAFTING_FORMAT: WeightFormat = WeightFormat::Native;
 
 /// One drafter per run, so the variants' size difference costs nothing worth a box.
 #[allow(clippy::large_enum_variant)]

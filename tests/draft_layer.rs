@@ -157,11 +157,12 @@ fn layer_training_learns_resumes_and_round_trips() {
     let x = Tensor::from_vec((0..2 * d).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect::<Vec<f32>>(), (2, d), &Device::Cpu).unwrap();
     // The layer's own loader keeps the target's format: the same drafts exactly.
     assert_eq!(DraftLayer::from_dir(&dir, &t).unwrap().top_k(&x, 5).unwrap(), full.top_k(&x, 5).unwrap());
-    // The drafter loader drafts in 8-bit blocks whatever the target's format (cheaper; drafts
-    // need not be exact): the same top guesses, probabilities close.
+    // The drafter loader drafts in 4-bit blocks whatever the target's format (cheaper; drafts
+    // need not be exact): the same top guesses, probabilities within a few hundredths (8-bit
+    // blocks stayed within 0.02; 4-bit moved one here by 0.04).
     for (ra, rb) in back.top_k(&x, 5).unwrap().iter().zip(full.top_k(&x, 5).unwrap()) {
         assert_eq!(ra[0].0, rb[0].0, "{ra:?} vs {rb:?}");
-        assert!(ra.iter().zip(&rb).all(|(p, q)| (p.1 - q.1).abs() < 0.02), "{ra:?} vs {rb:?}");
+        assert!(ra.iter().zip(&rb).all(|(p, q)| (p.1 - q.1).abs() < 0.06), "{ra:?} vs {rb:?}");
     }
     assert_eq!(back.draft_vocab(), full.draft_vocab());
     // 8-bit storage: a quarter of the size, the same drafts up to rounding.
