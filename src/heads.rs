@@ -467,6 +467,7 @@ fn top_k_of_row(row: &[f32], k: usize) -> Vec<(u32, f32)> {
         return Vec::new();
     };
     let z = crate::kernels::sum_exp_below(row, max);
+    // Each kept logit's term through the same function, so its arithmetic matches the sum's.
     top.into_iter().map(|(x, i)| (i, crate::kernels::sum_exp_below(&[x], max) / z)).collect()
 }
 

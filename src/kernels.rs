@@ -961,30 +961,28 @@ impl candle_core::InplaceOp2 for KvStore {
             let o = l2.start_offset() + i * st[0] + h * st[1];
             src.get(o..o + d).ok_or_else(|| candle_core::Error::Msg("kv store: layout reaches past its storage".into()))
         };
+        let slots = (t, hkv, cap, self.at, d);
         match s1 {
-            CpuStorage::F32(c) => {
-                let c = &mut c[a..b];
-                for i in 0..t {
-                    for h in 0..hkv {
-                        let o = (h * cap + self.at + i) * d;
-                        c[o..o + d].copy_from_slice(row(i, h)?);
-                    }
-                }
-            }
+            CpuStorage::F32(c) => store_rows(&mut c[a..b], slots, row, |dst, src| dst.copy_from_slice(src)),
             CpuStorage::F16(c) => {
                 use half::slice::HalfFloatSliceExt;
-                let c = &mut c[a..b];
-                for i in 0..t {
-                    for h in 0..hkv {
-                        let o = (h * cap + self.at + i) * d;
-                        c[o..o + d].convert_from_f32_slice(row(i, h)?);
-                    }
-                }
+                store_rows(&mut c[a..b], slots, row, |dst, src| dst.convert_from_f32_slice(src))
             }
             _ => candle_core::bail!("kv store: the cache must be f16 or f32"),
         }
-        Ok(())
     }
+}
+
+/// Row `(i, h)` of `t` new rows of `hkv` heads into slot `at + i` of head `h` of a head-major
+/// `[hkv, cap, d]` cache, through `put` (a copy or a conversion).
+fn store_rows<'a, E>(c: &mut [E], (t, hkv, cap, at, d): (usize, usize, usize, usize, usize), row: impl Fn(usize, usize) -> candle_core::Result<&'a [f32]>, put: impl Fn(&mut [E], &[f32])) -> candle_core::Result<()> {
+    for i in 0..t {
+        for h in 0..hkv {
+            let o = (h * cap + at + i) * d;
+            put(&mut c[o..o + d], row(i, h)?);
+        }
+    }
+    Ok(())
 }
 
 fn swiglu_row(g: &[f32], u: &[f32], o: &mut [f32]) {
