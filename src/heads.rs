@@ -455,7 +455,8 @@ fn top_k_of_row(row: &[f32], k: usize) -> Vec<(u32, f32)> {
     // Best first; a value joins after the equal ones already kept, so ties keep the lower id.
     let mut top: Vec<(f32, u32)> = Vec::with_capacity(k + 1);
     for (i, &x) in row.iter().enumerate() {
-        if top.len() == k && !(x > top[k - 1].0) {
+        // Full and not above the last kept (NaN included): skip.
+        if top.len() == k && x.partial_cmp(&top[k - 1].0) != Some(std::cmp::Ordering::Greater) {
             continue;
         }
         let at = top.partition_point(|&(v, _)| v >= x);
