@@ -142,12 +142,12 @@ pub fn summarise(turns: &[&TurnResult], tree: usize) -> Summary {
     s.spec_tok_s_median = median(turns.iter().map(|t| t.spec[tree].gen.decode_tok_s()).collect());
     s.plain_tok_s_median = median(turns.iter().map(|t| t.plain_tok_s).collect());
     s.speedup = s.spec_tok_s_median / s.plain_tok_s_median.max(1e-9);
-    let total = |pairs: &mut dyn Iterator<Item = (usize, f64)>| {
-        let (n, secs) = pairs.fold((0usize, 0f64), |(n, t), (k, secs)| (n + k, t + secs));
-        n as f64 / secs.max(1e-9)
-    };
-    s.spec_tok_s_total = total(&mut turns.iter().map(|t| (t.spec[tree].gen.new_tokens, t.spec[tree].gen.decode_secs)));
-    s.plain_tok_s_total = total(&mut turns.iter().map(|t| (t.new_tokens, t.new_tokens as f64 / t.plain_tok_s.max(1e-9))));
+    let spec_secs: f64 = turns.iter().map(|t| t.spec[tree].gen.decode_secs).sum();
+    let plain_secs: f64 = turns.iter().map(|t| t.new_tokens as f64 / t.plain_tok_s.max(1e-9)).sum();
+    let spec_tokens: usize = turns.iter().map(|t| t.spec[tree].gen.new_tokens).sum();
+    let plain_tokens: usize = turns.iter().map(|t| t.new_tokens).sum();
+    s.spec_tok_s_total = spec_tokens as f64 / spec_secs.max(1e-9);
+    s.plain_tok_s_total = plain_tokens as f64 / plain_secs.max(1e-9);
     s.speedup_total = s.spec_tok_s_total / s.plain_tok_s_total.max(1e-9);
     s.node_accept_rate = nodes.iter().map(|(t, h)| *h as f64 / (*t).max(1) as f64).collect();
     s.head_top1 = head.iter().map(|a| a.1 as f64 / a.0.max(1) as f64).collect();

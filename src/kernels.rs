@@ -632,27 +632,17 @@ pub(crate) fn contiguous<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candl
 
 /// A `[t, h, d]` tensor whose heads are contiguous within each row but whose rows may lie apart
 /// (q as a view of the fused q/k/v output): its data from the first element on, and the
-/// distance between rows.
+/// distance between rows. The same layout rule as [`head_major`], one level up.
 fn rows_apart<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<(&'a [f32], usize)> {
-    let data = match s {
-        CpuStorage::F32(d) => d.as_slice(),
+    match s {
+        CpuStorage::F32(d) => head_major(d, l, what),
         _ => candle_core::bail!("{what}: batch-invariant kernels take f32"),
-    };
-    let (t, h, d) = l.shape().dims3()?;
-    let st = l.stride();
-    if (h > 1 && st[1] != d) || (d > 1 && st[2] != 1) || (t > 1 && st[0] < h * d) {
-        candle_core::bail!("{what}: heads of each row must be contiguous, got strides {st:?} for shape {:?}", l.shape())
-    }
-    let row = if t > 1 { st[0] } else { h * d };
-    let end = l.start_offset() + t.saturating_sub(1) * row + h * d;
-    match data.get(l.start_offset()..end) {
-        Some(x) => Ok((x, row)),
-        None => candle_core::bail!("{what}: layout reaches past its storage"),
     }
 }
 
 /// A head-major K or V (`[hkv, s, d]`) whose rows are contiguous within each head: its data
-/// from the first element on, and the distance between heads.
+/// from the first element on, and the distance between heads (outer entries may lie apart, the
+/// inner `[s, d]` must be contiguous).
 fn head_major<'a, E>(data: &'a [E], l: &Layout, what: &str) -> candle_core::Result<(&'a [E], usize)> {
     let (hkv, n, d) = l.shape().dims3()?;
     let st = l.stride();
