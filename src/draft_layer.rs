@@ -282,13 +282,21 @@ impl DraftLayer {
     /// Predicted next features `[T, d]` for pairs (feature `feats[i]`, token `tokens[i]`) at
     /// `positions`, attending to everything in `cache` and to each other as `mask` says.
     pub fn forward(&self, feats: &Tensor, tokens: &[u32], positions: &[usize], mask: &TreeMask, cache: &mut KvCache, target: &Llama) -> Result<Tensor> {
+        self.forward_after(feats, tokens, positions, mask, 0, cache, target)
+    }
+
+    /// [`DraftLayer::forward`] for one level of a growing draft tree: the last `tail` slots of
+    /// `cache` hold the tree's earlier levels, and `mask` covers them and then the new pairs
+    /// (see [`Llama::forward_embeds_after`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_after(&self, feats: &Tensor, tokens: &[u32], positions: &[usize], mask: &TreeMask, tail: usize, cache: &mut KvCache, target: &Llama) -> Result<Tensor> {
         if feats.dim(0)? != tokens.len() {
             return Err(Error::InvalidArgument(format!("draft layer: {} features for {} tokens", feats.dim(0)?, tokens.len())));
         }
         let e = target.embed(tokens)?;
         let x = Tensor::cat(&[feats, &e], 1)?.contiguous()?;
         let x = self.fc.forward(&x)?;
-        self.llama.forward_embeds(&x, positions, mask, cache)
+        self.llama.forward_embeds_after(&x, positions, mask, tail, cache)
     }
 
     /// Each row's top-`k` guesses for the next token as (token id, probability within the draft

@@ -200,52 +200,56 @@ struct Grown {
     score: f64,
 }
 
-/// Run the layer over the speculative nodes `needed` (indices into `nodes`, parents first) so
-/// that each gets its predicted feature; the cache is left at `committed` pairs.
-fn layer_features(
-    layer: &DraftLayer,
-    cache: &mut KvCache,
-    root_feat: &Tensor,
-    model: &Llama,
-    nodes: &[Grown],
-    feats: &mut HashMap<usize, Tensor>,
-    needed: &[usize],
-) -> Result<()> {
-    let c = cache.len();
-    let row_of: HashMap<usize, usize> = needed.iter().enumerate().map(|(r, &i)| (i, r)).collect();
-    let mut inputs = Vec::with_capacity(needed.len());
-    let mut parents = Vec::with_capacity(needed.len());
-    for &i in needed {
+/// The draft tree's levels run so far, kept in the layer's cache after the committed pairs: the
+/// node held by each cached slot, and each slot's parent slot (for the tree mask).
+#[derive(Default)]
+struct Levels {
+    slot_of: HashMap<usize, usize>,
+    parents: Vec<Option<usize>>,
+}
+
+/// Run the layer over one level's `frontier` (nodes whose parents ran at earlier levels, or hang
+/// at the root) so that each gets its predicted feature. Their K/V stay in the cache after the
+/// earlier levels', so the next level attends to them without running them again; the caller
+/// truncates the cache back to the committed pairs when the tree is grown.
+#[allow(clippy::too_many_arguments)]
+fn run_level(layer: &DraftLayer, cache: &mut KvCache, root_feat: &Tensor, model: &Llama, nodes: &[Grown], feats: &mut HashMap<usize, Tensor>, levels: &mut Levels, frontier: &[usize]) -> Result<()> {
+    let tail = levels.parents.len();
+    let c = cache.len() - tail;
+    let mut inputs = Vec::with_capacity(frontier.len());
+    let mut parents = levels.parents.clone();
+    for &i in frontier {
         let p = nodes[i].parent.expect("speculative nodes have parents");
-        inputs.push(if p == 0 { root_feat.clone() } else { feats.get(&p).cloned().ok_or_else(|| Error::InvalidArgument("a parent's feature is missing".into()))? });
-        parents.push(if p == 0 { None } else { Some(row_of[&p]) });
+        if p == 0 {
+            inputs.push(root_feat.clone());
+            parents.push(None);
+        } else {
+            let (Some(f), Some(&slot)) = (feats.get(&p), levels.slot_of.get(&p)) else {
+                return Err(Error::InvalidArgument("draft tree: a parent was never run".into()));
+            };
+            inputs.push(f.clone());
+            parents.push(Some(slot));
+        }
     }
     let x = Tensor::cat(&inputs, 0)?;
-    let tokens: Vec<u32> = needed.iter().map(|&i| nodes[i].token).collect();
-    let positions: Vec<usize> = needed.iter().map(|&i| c + nodes[i].depth - 1).collect();
-    let out = layer.forward(&x, &tokens, &positions, &TreeMask::from_parents(&parents)?, cache, model);
-    cache.truncate(c);
-    let out = out?;
-    for (r, &i) in needed.iter().enumerate() {
+    let tokens: Vec<u32> = frontier.iter().map(|&i| nodes[i].token).collect();
+    let positions: Vec<usize> = frontier.iter().map(|&i| c + nodes[i].depth - 1).collect();
+    let out = layer.forward_after(&x, &tokens, &positions, &TreeMask::from_parents(&parents)?, tail, cache, model)?;
+    for (r, &i) in frontier.iter().enumerate() {
         feats.insert(i, out.narrow(0, r, 1)?);
+        levels.slot_of.insert(i, tail + r);
     }
+    levels.parents = parents;
     Ok(())
 }
 
-/// `needed` for expanding `frontier`: the frontier nodes and all their speculative ancestors,
-/// parents first.
-fn with_ancestors(nodes: &[Grown], frontier: &[usize]) -> Vec<usize> {
-    let mut set = std::collections::BTreeSet::new();
-    for &f in frontier {
-        let mut i = f;
-        while i != 0 {
-            set.insert(i);
-            i = nodes[i].parent.unwrap_or(0);
-        }
-    }
-    // Node indices grow with depth here (nodes are appended level by level), so sorted order
-    // puts parents first.
-    set.into_iter().collect()
+/// Grow a tree with `grow`, then drop its levels from the cache (also when growing fails), so
+/// the cache again holds the committed pairs only.
+fn growing(cache: &mut KvCache, grow: impl FnOnce(&mut KvCache) -> Result<Proposal>) -> Result<Proposal> {
+    let c = cache.len();
+    let out = grow(cache);
+    cache.truncate(c);
+    out
 }
 
 fn proposal_from(nodes: &[Grown], keep_idx: &[usize], guesses: Vec<Vec<u32>>) -> Result<Proposal> {
@@ -272,6 +276,10 @@ fn proposal_from(nodes: &[Grown], keep_idx: &[usize], guesses: Vec<Vec<u32>>) ->
 }
 
 fn grow_static(layer: &DraftLayer, cache: &mut KvCache, root_feat: &Tensor, model: &Llama, root: u32, t: &Tree, keep: usize) -> Result<Proposal> {
+    growing(cache, |cache| grow_static_in(layer, cache, root_feat, model, root, t, keep))
+}
+
+fn grow_static_in(layer: &DraftLayer, cache: &mut KvCache, root_feat: &Tensor, model: &Llama, root: u32, t: &Tree, keep: usize) -> Result<Proposal> {
     let want = t.ranks_per_depth().into_iter().max().unwrap_or(1).max(keep);
     let first = layer.top_k(root_feat, want)?.remove(0);
     let guesses = vec![first.iter().take(keep).map(|x| x.0).collect()];
@@ -279,6 +287,7 @@ fn grow_static(layer: &DraftLayer, cache: &mut KvCache, root_feat: &Tensor, mode
     let mut nodes = vec![Grown { parent: None, depth: 0, rank: 0, token: root, score: 1.0 }];
     let mut tops: HashMap<usize, Vec<(u32, f32)>> = HashMap::from([(0, first)]);
     let mut feats: HashMap<usize, Tensor> = HashMap::new();
+    let mut levels = Levels::default();
     for d in 1..=t.depth() {
         let level: Vec<usize> = (0..t.len()).filter(|&i| t.node(i).depth == d).collect();
         for &i in &level {
@@ -291,7 +300,11 @@ fn grow_static(layer: &DraftLayer, cache: &mut KvCache, root_feat: &Tensor, mode
         if expand.is_empty() {
             continue;
         }
-        layer_features(layer, cache, root_feat, model, &nodes, &mut feats, &with_ancestors(&nodes, &expand))?;
+        if cache.len() + expand.len() > cache.max_len() {
+            // Near the end of the context: no room for this level's K/V, so no draft at all.
+            return Ok(Proposal { tree: Tree::from_paths(&[]).expect("root-only tree"), tokens: vec![root], guesses, scores: vec![1.0] });
+        }
+        run_level(layer, cache, root_feat, model, &nodes, &mut feats, &mut levels, &expand)?;
         let x = Tensor::cat(&expand.iter().map(|i| feats[i].clone()).collect::<Vec<_>>(), 0)?;
         for (i, top) in expand.iter().zip(layer.top_k(&x, want)?) {
             tops.insert(*i, top);
@@ -307,6 +320,11 @@ fn grow_static(layer: &DraftLayer, cache: &mut KvCache, root_feat: &Tensor, mode
 /// set is prefix-closed.
 #[allow(clippy::too_many_arguments)]
 fn grow_dynamic(layer: &DraftLayer, cache: &mut KvCache, root_feat: &Tensor, model: &Llama, root: u32, max_nodes: usize, keep: usize, min_expand: f64) -> Result<Proposal> {
+    growing(cache, |cache| grow_dynamic_in(layer, cache, root_feat, model, root, max_nodes, keep, min_expand))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn grow_dynamic_in(layer: &DraftLayer, cache: &mut KvCache, root_feat: &Tensor, model: &Llama, root: u32, max_nodes: usize, keep: usize, min_expand: f64) -> Result<Proposal> {
     // Each level costs one small forward of the layer, so the beam and depth scale with the
     // node budget: a few wide levels for a small tree, deeper chains for a big one.
     const CHILDREN: usize = 4;
@@ -317,6 +335,7 @@ fn grow_dynamic(layer: &DraftLayer, cache: &mut KvCache, root_feat: &Tensor, mod
     let guesses = vec![first.iter().take(keep).map(|x| x.0).collect()];
     let mut nodes = vec![Grown { parent: None, depth: 0, rank: 0, token: root, score: 1.0 }];
     let mut feats: HashMap<usize, Tensor> = HashMap::new();
+    let mut levels = Levels::default();
     let mut frontier_tops: Vec<(usize, Vec<(u32, f32)>)> = vec![(0, first)];
     for d in 1..=max_depth {
         let start = nodes.len();
@@ -337,10 +356,10 @@ fn grow_dynamic(layer: &DraftLayer, cache: &mut KvCache, root_feat: &Tensor, mod
             (start..nodes.len()).filter(|&i| (nodes[i].score > floor || scores.len() < budget) && nodes[i].score >= min_expand).collect();
         level.sort_by(|&a, &b| nodes[b].score.total_cmp(&nodes[a].score).then(a.cmp(&b)));
         level.truncate(beam);
-        if level.is_empty() {
+        if level.is_empty() || cache.len() + level.len() > cache.max_len() {
             break;
         }
-        layer_features(layer, cache, root_feat, model, &nodes, &mut feats, &with_ancestors(&nodes, &level))?;
+        run_level(layer, cache, root_feat, model, &nodes, &mut feats, &mut levels, &level)?;
         let x = Tensor::cat(&level.iter().map(|i| feats[i].clone()).collect::<Vec<_>>(), 0)?;
         frontier_tops = level.iter().copied().zip(layer.top_k(&x, CHILDREN)?).collect();
     }

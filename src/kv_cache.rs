@@ -141,7 +141,13 @@ impl KvCache {
             prev = Some(s);
         }
         let contiguous_already = keep.iter().enumerate().all(|(i, &s)| s == start + i);
-        if !contiguous_already && !keep.is_empty() {
+        if !contiguous_already && self.device.is_cpu() {
+            let op = crate::kernels::KvCompact { start, keep: keep.to_vec() };
+            for l in self.layers.iter() {
+                l.k.inplace_op1(&op)?;
+                l.v.inplace_op1(&op)?;
+            }
+        } else if !contiguous_already && !keep.is_empty() {
             let idx: Vec<u32> = keep.iter().map(|&s| s as u32).collect();
             let idx = Tensor::new(idx.as_slice(), &self.device)?;
             for l in self.layers.iter() {
@@ -198,5 +204,33 @@ mod tests {
         let mut small = KvCache::new(1, 1, 1, 3, DType::F32, &dev).unwrap();
         assert!(small.reserve(4).is_err());
         assert!(KvCache::new(1, 1, 1, 3, DType::BF16, &dev).is_err());
+    }
+
+    #[test]
+    fn compact_moves_every_head_and_value() {
+        // Two heads of three values, both cache types: the in-place move keeps each kept slot's
+        // whole row in every head, and nothing else.
+        let dev = Device::Cpu;
+        for dtype in [DType::F16, DType::F32] {
+            let mut c = KvCache::new(2, 2, 3, 64, dtype, &dev).unwrap();
+            let k = Tensor::arange(0f32, 36f32, &dev).unwrap().reshape((6, 2, 3)).unwrap();
+            let v = (&k + 100.0).unwrap();
+            for layer in 0..2 {
+                c.write(layer, &k, &v).unwrap();
+            }
+            c.append(6).unwrap();
+            c.compact(2, &[3, 5]).unwrap();
+            assert_eq!(c.len(), 4);
+            let keep = Tensor::new(&[0u32, 1, 3, 5], &dev).unwrap();
+            for layer in 0..2 {
+                let (ck, cv) = c.layer(layer).unwrap();
+                assert_eq!(ck.to_vec3::<f32>().unwrap(), k.index_select(&keep, 0).unwrap().to_vec3::<f32>().unwrap());
+                assert_eq!(cv.to_vec3::<f32>().unwrap(), v.index_select(&keep, 0).unwrap().to_vec3::<f32>().unwrap());
+            }
+        }
+        let t = Tensor::zeros((2, 8, 3), DType::F32, &dev).unwrap();
+        assert!(t.inplace_op1(&crate::kernels::KvCompact { start: 2, keep: vec![4, 3] }).is_err());
+        assert!(t.inplace_op1(&crate::kernels::KvCompact { start: 2, keep: vec![1] }).is_err());
+        assert!(t.inplace_op1(&crate::kernels::KvCompact { start: 2, keep: vec![8] }).is_err());
     }
 }

@@ -254,12 +254,14 @@ pub struct BatchEntry<'a> {
 /// A sequence inside the blocks: where its rows come from and which cache they extend.
 struct Segment<'a> {
     positions: &'a [usize],
+    /// Over the last `tail` slots of `cache` and then the new rows.
     mask: &'a TreeMask,
+    tail: usize,
     cache: &'a mut KvCache,
 }
 
-/// Rows `start..start + len` of a batched forward attend over their own cache (`prefix` slots
-/// committed before this forward) under `mask`.
+/// Rows `start..start + len` of a batched forward attend over their own cache (`prefix` slots,
+/// all visible) and the mask's nodes (the mask's last `len` nodes are these rows).
 struct AttnSpan {
     start: usize,
     len: usize,
@@ -478,20 +480,31 @@ impl Llama {
     /// [`Llama::forward`] on input vectors `[T, hidden]` instead of token ids: a draft layer
     /// feeds its own mix of features and embeddings through the same blocks.
     pub fn forward_embeds(&self, x: &Tensor, positions: &[usize], mask: &TreeMask, cache: &mut KvCache) -> Result<Tensor> {
+        self.forward_embeds_after(x, positions, mask, 0, cache)
+    }
+
+    /// [`Llama::forward_embeds`] where the last `tail` slots of `cache` are tree nodes too: `mask`
+    /// covers those `tail` nodes and then the `T` new rows, so a new row sees only the tail nodes
+    /// that are its ancestors. Why: a drafter grows its tree level by level, and keeping the
+    /// earlier levels' K/V in the cache (rather than recomputing every ancestor at each level)
+    /// makes a level cost its own rows only. Each row's result is the same bits either way (its
+    /// visible keys come in the same slot order, and the kernels are batch-invariant).
+    pub fn forward_embeds_after(&self, x: &Tensor, positions: &[usize], mask: &TreeMask, tail: usize, cache: &mut KvCache) -> Result<Tensor> {
         let t = x.dim(0)?;
-        if t == 0 || positions.len() != t || mask.len() != t || x.dims() != [t, self.cfg.hidden_size] {
+        if t == 0 || positions.len() != t || mask.len() != tail + t || tail > cache.len() || x.dims() != [t, self.cfg.hidden_size] {
             return Err(Error::InvalidArgument(format!(
-                "forward: inputs {:?}, {} positions, mask for {}",
+                "forward: inputs {:?}, {} positions, mask for {}, {tail} of {} cached slots in the tree",
                 x.dims(),
                 positions.len(),
-                mask.len()
+                mask.len(),
+                cache.len()
             )));
         }
-        self.run_blocks(x.clone(), positions, mask, cache)
+        self.run_blocks_multi(x.clone(), &mut [Segment { positions, mask, tail, cache }])
     }
 
     fn run_blocks(&self, x: Tensor, positions: &[usize], mask: &TreeMask, cache: &mut KvCache) -> Result<Tensor> {
-        self.run_blocks_multi(x, &mut [Segment { positions, mask, cache }])
+        self.run_blocks_multi(x, &mut [Segment { positions, mask, tail: 0, cache }])
     }
 
     /// Run several independent sequences' new tokens through the blocks in one pass, `x` holding
@@ -510,7 +523,7 @@ impl Llama {
                 )));
             }
             s.cache.reserve(s.positions.len())?;
-            spans.push(AttnSpan { start: all_pos.len(), len: s.positions.len(), prefix: s.cache.len(), mask: Arc::new(s.mask.clone()) });
+            spans.push(AttnSpan { start: all_pos.len(), len: s.positions.len(), prefix: s.cache.len() - s.tail, mask: Arc::new(s.mask.clone()) });
             all_pos.extend(s.positions.iter().map(|&p| p as u32));
         }
         let pos = Tensor::new(all_pos.as_slice(), &self.device)?;
@@ -563,7 +576,7 @@ impl Llama {
             ids.extend_from_slice(e.tokens);
         }
         let x = self.embed.forward(&Tensor::new(ids.as_slice(), &self.device)?)?;
-        let mut segs: Vec<Segment> = batch.iter_mut().map(|e| Segment { positions: e.positions, mask: e.mask, cache: &mut *e.cache }).collect();
+        let mut segs: Vec<Segment> = batch.iter_mut().map(|e| Segment { positions: e.positions, mask: e.mask, tail: 0, cache: &mut *e.cache }).collect();
         self.run_blocks_multi(x, &mut segs)
     }
 
@@ -660,7 +673,12 @@ pub fn attention_candle(q: &Tensor, k: &Tensor, v: &Tensor, mask: &TreeMask, pre
     let expand = |x: &Tensor| -> Result<Tensor> { Ok(x.to_dtype(q.dtype())?.unsqueeze(1)?.expand((nkv, group, s, hd))?.reshape((nh, s, hd))?.contiguous()?) };
     let (k, v) = (expand(k)?, expand(v)?);
     let q = q.transpose(0, 1)?.contiguous()?; // [nh, t, hd]
-    let add = Tensor::from_vec(mask.additive(prefix), (t, s), q.device())?;
+    // The queries are the mask's last `t` nodes (see `TreeAttention`).
+    let n = mask.len();
+    if s != prefix + n || t > n {
+        return Err(Error::InvalidArgument(format!("attention: {t} queries, {s} keys, prefix {prefix}, mask for {n}")));
+    }
+    let add = Tensor::from_vec(mask.additive(prefix)[(n - t) * s..].to_vec(), (t, s), q.device())?;
     let scores = (q.matmul(&k.t()?)? * scale as f64)?.broadcast_add(&add)?;
     let p = candle_nn::ops::softmax_last_dim(&scores)?;
     let o = p.matmul(&v)?; // [nh, t, hd]

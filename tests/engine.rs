@@ -94,6 +94,17 @@ fn attention_kernel_matches_candle_ops() {
     let a: Vec<f32> = q.apply_op3_no_bwd(&k, &v, &op).unwrap().flatten_all().unwrap().to_vec1().unwrap();
     let b: Vec<f32> = selfspec::model::attention_candle(&q, &k, &v, &mask, prefix, 0.25).unwrap().flatten_all().unwrap().to_vec1().unwrap();
     assert!(max_diff(&a, &b) < 1e-5);
+    // Queries for the mask's last 2 nodes only, the first 3 already in the cache after the
+    // prefix: the same rows, the same bits as when all 5 are queried.
+    let q2 = q.narrow(0, 3, 2).unwrap();
+    let a2: Vec<f32> = q2.apply_op3_no_bwd(&k, &v, &op).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    assert_eq!(a2, a[3 * h * d..]);
+    let b2: Vec<f32> = selfspec::model::attention_candle(&q2, &k, &v, &mask, prefix, 0.25).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    assert!(max_diff(&a2, &b2) < 1e-5);
+    // Keys that do not cover the prefix and the whole mask are refused.
+    let short = k.narrow(1, 0, prefix + 4).unwrap();
+    assert!(q2.apply_op3_no_bwd(&short, &v.narrow(1, 0, prefix + 4).unwrap(), &op).is_err());
+    assert!(selfspec::model::attention_candle(&q2, &short, &v.narrow(1, 0, prefix + 4).unwrap(), &mask, prefix, 0.25).is_err());
 }
 
 #[test]
@@ -146,4 +157,42 @@ fn sharded_safetensors_and_qwen2_bias_load() {
     std::fs::write(q.join("config.json"), c.to_string()).unwrap();
     let e = Target::load(&q, &Device::Cpu).err().unwrap().to_string();
     assert!(e.contains("GPTNeoXForCausalLM") && e.contains("config.json"), "{e}");
+}
+
+#[test]
+fn tree_grown_level_by_level_is_bit_identical_to_one_forward() {
+    // A drafter keeps each level's K/V in the cache and runs only the next level's rows
+    // (`forward_embeds_after`); every row must come out as in one forward over the whole tree.
+    let (_, mut t) = tiny_gguf("levels", 9);
+    let prompt: Vec<u32> = (0..10).map(|i| (i * 29 + 3) % 260).collect();
+    let parents = [None, None, Some(0), Some(1), Some(1), Some(2), Some(4), Some(4)];
+    let depth = [0usize, 0, 1, 1, 1, 2, 2, 2];
+    let levels = [0..2, 2..5, 5..8];
+    let tokens: Vec<u32> = (0..parents.len() as u32).map(|i| (i * 41 + 7) % 260).collect();
+    let x = t.model.embed(&tokens).unwrap();
+    let positions: Vec<usize> = depth.iter().map(|d| prompt.len() + d).collect();
+    for dtype in [candle_core::DType::F16, candle_core::DType::F32] {
+        t.model.set_kv_dtype(dtype).unwrap();
+        let m = &t.model;
+        let mut one = m.new_cache().unwrap();
+        m.forward_causal(&prompt, &mut one).unwrap();
+        let whole: Vec<Vec<f32>> =
+            m.forward_embeds(&x, &positions, &TreeMask::from_parents(&parents).unwrap(), &mut one).unwrap().to_vec2().unwrap();
+        let mut grown = m.new_cache().unwrap();
+        m.forward_causal(&prompt, &mut grown).unwrap();
+        for r in levels.clone() {
+            let mask = TreeMask::from_parents(&parents[..r.end]).unwrap();
+            let rows: Vec<Vec<f32>> = m
+                .forward_embeds_after(&x.narrow(0, r.start, r.len()).unwrap(), &positions[r.clone()], &mask, r.start, &mut grown)
+                .unwrap()
+                .to_vec2()
+                .unwrap();
+            assert_eq!(rows, whole[r.clone()], "level {r:?} ({dtype:?} cache)");
+        }
+        assert_eq!(grown.len(), prompt.len() + parents.len());
+        // A mask that does not cover the cached tail plus the new rows is refused.
+        let bad = TreeMask::causal(2);
+        assert!(m.forward_embeds_after(&x.narrow(0, 0, 1).unwrap(), &positions[..1], &bad, 0, &mut grown).is_err());
+        assert!(m.forward_embeds_after(&x.narrow(0, 0, 1).unwrap(), &positions[..1], &bad, grown.len() + 1, &mut grown).is_err());
+    }
 }
