@@ -132,6 +132,11 @@ struct SpecArgs {
     /// branch copies what most often followed it there.
     #[arg(long, num_args = 1..)]
     datastore: Vec<PathBuf>,
+    /// Weight format the drafter runs in: native (4-bit blocks for a draft layer, 8-bit for
+    /// heads: the fastest), q8_0 (8-bit: guesses a little closer to the trained weights', worth
+    /// it for deep trees), f16, bf16 or f32. Drafts need not be exact; verification is.
+    #[arg(long, default_value = "native")]
+    draft_weights: WeightFormat,
 }
 
 #[derive(Subcommand)]
@@ -286,7 +291,9 @@ enum Command {
         /// training/data. Where its longest match with the text so far beats the context's, the
         /// branch copies what most often followed it there.
         #[arg(long, num_args = 1..)]
-        datastore: Vec<PathBuf>,
+        datastore: Vec<PathBuf>,        /// Weight format the drafter runs in (see `generate --draft-weights`).
+        #[arg(long, default_value = "native")]
+        draft_weights: WeightFormat,
     },
     /// Measure head accuracies and this device's forward costs; write the tree that maximises
     /// expected speed-up.
@@ -312,7 +319,9 @@ enum Command {
         /// training/data. Where its longest match with the text so far beats the context's, the
         /// branch copies what most often followed it there.
         #[arg(long, num_args = 1..)]
-        datastore: Vec<PathBuf>,
+        datastore: Vec<PathBuf>,        /// Weight format the drafter runs in (see `generate --draft-weights`).
+        #[arg(long, default_value = "native")]
+        draft_weights: WeightFormat,
     },
     /// Re-save heads: in the FasterDecoding/Medusa format (vLLM, TGI), or as f16 or f32 selfspec heads;
     /// a draft layer as f32, f16 or q8 (8-bit blocks, a quarter of f32).
@@ -451,7 +460,7 @@ fn run(cli: Cli) -> Result<()> {
             let plan = Plan::parse(&spec.tree)?;
             let target = load(&model)?;
             let heads = match &spec.heads {
-                Some(dir) => Some(Drafter::from_dir(dir, &target)?),
+                Some(dir) => Some(Drafter::from_dir_as(dir, &target, spec.draft_weights)?),
                 None => None,
             };
             let ids = target.encode_prompt(&prompt, chat)?;
@@ -638,7 +647,7 @@ fn run(cli: Cli) -> Result<()> {
                 out.display()
             );
         }
-        Command::Eval { model, heads, prompts, tree, temperature, max_tokens, limit, out, seed, datastore } => {
+        Command::Eval { model, heads, prompts, tree, temperature, max_tokens, limit, out, seed, datastore, draft_weights } => {
             let params = SamplingParams { temperature, ..Default::default() };
             params.validate()?;
             if max_tokens == 0 {
@@ -650,7 +659,7 @@ fn run(cli: Cli) -> Result<()> {
                 items.truncate(n.max(1));
             }
             let target = load(&model)?;
-            let h = Drafter::from_dir(&heads, &target)?;
+            let h = Drafter::from_dir_as(&heads, &target, draft_weights)?;
             for (_, p) in &trees {
                 p.tree.validate_for(&h)?;
             }
@@ -670,13 +679,13 @@ fn run(cli: Cli) -> Result<()> {
                 eprintln!("wrote {0}.json, {0}.md, {0}.svg", prefix.display());
             }
         }
-        Command::Tune { model, heads, prompts, out, max_nodes, max_tokens, check_prompts, datastore } => {
+        Command::Tune { model, heads, prompts, out, max_nodes, max_tokens, check_prompts, datastore, draft_weights } => {
             if max_nodes < 2 {
                 bail!("--max-nodes must be at least 2");
             }
             let items = selfspec::data::read_prompts(&prompts)?;
             let target = load(&model)?;
-            let h = Drafter::from_dir(&heads, &target)?;
+            let h = Drafter::from_dir_as(&heads, &target, draft_weights)?;
             eprintln!("measuring {} accuracy on {} prompts...", h.kind(), items.len());
             let acc = rank_accuracy(&target, &h, &items, max_tokens, 8)?;
             for (k, row) in acc.iter().enumerate() {

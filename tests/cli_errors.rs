@@ -151,6 +151,12 @@ fn draft_layer_through_the_cli() {
     let (code, _, err) = run(&["generate", "--model", m, "--prompt", "the cat", "--heads", os, "--tree", "dynamic:6", "--max-tokens", "8", "--compare"]);
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("outputs identical") && err.contains("per step: draft"), "{err}");
+    // Drafting in 8-bit blocks instead of the default 4-bit ones: output still the target's.
+    let (code, _, err) = run(&["generate", "--model", m, "--prompt", "the cat", "--heads", os, "--tree", "dynamic:6", "--max-tokens", "8", "--compare", "--draft-weights", "q8_0"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("outputs identical"), "{err}");
+    let (code, _, err) = run(&["generate", "--model", m, "--prompt", "the cat", "--heads", os, "--draft-weights", "q3"]);
+    assert!(code != 0 && err.contains("--draft-weights") && err.contains("unknown weight format 'q3'") && !err.contains("panicked"), "{err}");
     let prompts = dir.join("p.txt");
     std::fs::write(&prompts, "the cat\nthe dog\n").unwrap();
     let (code, out_s, err) = run(&["eval", "--model", m, "--heads", os, "--prompts", prompts.to_str().unwrap(), "--tree", "chain:3", "--max-tokens", "8"]);
