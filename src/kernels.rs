@@ -684,7 +684,9 @@ impl CustomOp2 for RowMatmul {
 }
 
 /// Which keys each new query may see. Every query sees the whole committed prefix
-/// (`prefix_len` slots); among the new tokens it sees itself and its ancestors only.
+/// (`prefix_len` slots); among the new tokens it sees itself and its ancestors only. The first
+/// nodes of a mask may already sit in the cache after the prefix (a drafter's earlier tree
+/// levels), with queries for the last ones only (see [`TreeAttention`]).
 /// Ancestors always come earlier (breadth-first or causal order), so `visible` is lower-triangular.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TreeMask {
