@@ -13,8 +13,8 @@ fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let w: selfspec::quant::WeightFormat = args.get(3).map(|s| s.parse()).transpose()?.unwrap_or(selfspec::quant::WeightFormat::Native);
     let target = Target::load_with(args[1].as_ref(), &candle_core::Device::Cpu, w)?;
-    let mut drafter = Drafter::from_dir(args[2].as_ref(), &target)?;
-    if let Ok(f) = std::env::var("DRAFT_FORMAT") { drafter.set_format(f.parse()?)?; }
+    let format = std::env::var("DRAFT_FORMAT").map(|f| f.parse()).unwrap_or(Ok(selfspec::drafter::DRAFTING_FORMAT))?;
+    let drafter = Drafter::from_dir_as(args[2].as_ref(), &target, format)?;
     let prompt = target.encode_prompt("Explain how a refrigerator keeps food cold, step by step, in detail.", true)?;
     let mut cache = target.model.new_cache()?;
     let hidden = target.model.forward_causal(&prompt, &mut cache)?;

@@ -135,7 +135,7 @@ struct SpecArgs {
     /// Weight format the drafter runs in: native (4-bit blocks for a draft layer, 8-bit for
     /// heads: the fastest), q8_0 (8-bit: guesses a little closer to the trained weights', worth
     /// it for deep trees), f16, bf16 or f32. Drafts need not be exact; verification is.
-    #[arg(long, default_value = "native")]
+    #[arg(long, default_value_t = selfspec::drafter::DRAFTING_FORMAT)]
     draft_weights: WeightFormat,
 }
 
@@ -292,7 +292,7 @@ enum Command {
         /// branch copies what most often followed it there.
         #[arg(long, num_args = 1..)]
         datastore: Vec<PathBuf>,        /// Weight format the drafter runs in (see `generate --draft-weights`).
-        #[arg(long, default_value = "native")]
+        #[arg(long, default_value_t = selfspec::drafter::DRAFTING_FORMAT)]
         draft_weights: WeightFormat,
     },
     /// Measure head accuracies and this device's forward costs; write the tree that maximises
@@ -320,7 +320,7 @@ enum Command {
         /// branch copies what most often followed it there.
         #[arg(long, num_args = 1..)]
         datastore: Vec<PathBuf>,        /// Weight format the drafter runs in (see `generate --draft-weights`).
-        #[arg(long, default_value = "native")]
+        #[arg(long, default_value_t = selfspec::drafter::DRAFTING_FORMAT)]
         draft_weights: WeightFormat,
     },
     /// Re-save heads: in the FasterDecoding/Medusa format (vLLM, TGI), or as f16 or f32 selfspec heads;
