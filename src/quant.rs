@@ -509,6 +509,10 @@ struct QuantActs {
     q: Vec<i8>,
     d: Vec<f32>,
     sum: Vec<i32>,
+    /// `d * sum` per block (rounded to f32 once, as every path computes it), for the Q4_1
+    /// offset term: the kernel broadcasts it from memory instead of multiplying and
+    /// broadcasting from a register once per block, row and panel.
+    dsum: Vec<f32>,
 }
 
 /// Rounds to nearest, ties to even, for |x| < 2^22 with plain adds the compiler vectorises
@@ -521,7 +525,7 @@ fn round_small(x: f32) -> f32 {
 
 fn quantize_acts(x: &[f32], m: usize, k: usize) -> QuantActs {
     let nb = k / QK;
-    let mut a = QuantActs { q: vec![0; m * k], d: vec![0.0; m * nb], sum: vec![0; m * nb] };
+    let mut a = QuantActs { q: vec![0; m * k], d: vec![0.0; m * nb], sum: vec![0; m * nb], dsum: Vec::new() };
     let simd = vnni();
     let row = |x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [i32]| {
         #[cfg(target_arch = "x86_64")]
@@ -540,6 +544,7 @@ fn quantize_acts(x: &[f32], m: usize, k: usize) -> QuantActs {
             row(x, q, d, sum);
         }
     }
+    a.dsum = a.d.iter().zip(&a.sum).map(|(&d, &s)| d * s as f32).collect();
     a
 }
 
@@ -777,7 +782,7 @@ mod avx512_quant {
                     if OFS {
                         let mw = _mm512_cvtph_ps(_mm256_loadu_si256(blk[jj].add(codes + 32) as *const __m256i));
                         acc[ii][jj] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[ii][jj]), scale, acc[ii][jj]);
-                        acc[ii][jj] = _mm512_fmadd_ps(mw, _mm512_set1_ps(dx * sx as f32), acc[ii][jj]);
+                        acc[ii][jj] = _mm512_fmadd_ps(mw, _mm512_set1_ps(*a.dsum.get_unchecked((i0 + ii) * nb + b)), acc[ii][jj]);
                     } else {
                         let centred = _mm512_sub_epi32(isum[ii][jj], _mm512_set1_epi32(zero * sx));
                         acc[ii][jj] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), scale, acc[ii][jj]);
