@@ -11,6 +11,9 @@ use selfspec::spec::TreeChoice;
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
+    if args.len() < 3 {
+        anyhow::bail!("usage: draftcost MODEL DRAFTER_DIR [weights]");
+    }
     let w: selfspec::quant::WeightFormat = args.get(3).map(|s| s.parse()).transpose()?.unwrap_or(selfspec::quant::WeightFormat::Native);
     let target = Target::load_with(args[1].as_ref(), &candle_core::Device::Cpu, w)?;
     let format = std::env::var("DRAFT_FORMAT").map(|f| f.parse()).unwrap_or(Ok(selfspec::drafter::DRAFTING_FORMAT))?;
