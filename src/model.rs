@@ -695,8 +695,21 @@ pub fn default_kv_dtype(device: &Device) -> DType {
     }
 }
 
-/// Argmax with the lowest index winning ties: the one tie-break plain and speculative decoding share.
+/// Argmax with the lowest index winning ties: the one tie-break plain and speculative decoding
+/// share. NaNs are never picked (unless the first value is one: then 0, as the scalar scan gives).
+/// Why SIMD: the scalar scan of SmolLM2's 49,152 logits took 24 µs, once per emitted token in
+/// plain decoding and once per visited node in verification (1% of a 4-bit token).
 pub fn argmax(xs: &[f32]) -> u32 {
+    #[cfg(target_arch = "x86_64")]
+    if crate::kernels::isa() == crate::kernels::Isa::Avx512 {
+        // SAFETY: AVX-512F is present.
+        return unsafe { argmax_avx512(xs) };
+    }
+    argmax_scalar(xs)
+}
+
+/// The reference scan [`argmax`] reproduces.
+fn argmax_scalar(xs: &[f32]) -> u32 {
     let mut best = 0usize;
     for (i, &x) in xs.iter().enumerate() {
         if x > xs[best] {
@@ -704,6 +717,40 @@ pub fn argmax(xs: &[f32]) -> u32 {
         }
     }
     best as u32
+}
+
+/// [`argmax_scalar`]'s answer in two vector passes: the largest non-NaN value (a NaN lane keeps
+/// the running maximum), then the first index holding a value equal to it (the scan keeps the
+/// first of equal values, and -0.0 == 0.0 there as here).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn argmax_avx512(xs: &[f32]) -> u32 {
+    use std::arch::x86_64::*;
+    if xs.is_empty() || xs[0].is_nan() {
+        return 0;
+    }
+    let n = xs.len();
+    let p = xs.as_ptr();
+    let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+    let mask = |i: usize| -> __mmask16 { if n - i >= 16 { 0xffff } else { ((1u32 << (n - i)) - 1) as __mmask16 } };
+    let mut acc = ninf;
+    let mut i = 0;
+    while i < n {
+        // max(x, acc) is x > acc ? x : acc, so a NaN x leaves acc as it was.
+        acc = _mm512_max_ps(_mm512_mask_loadu_ps(ninf, mask(i), p.add(i)), acc);
+        i += 16;
+    }
+    let m = _mm512_set1_ps(_mm512_reduce_max_ps(acc));
+    let mut i = 0;
+    while i < n {
+        let k = mask(i);
+        let hit = _mm512_mask_cmp_ps_mask::<_CMP_EQ_OQ>(k, _mm512_maskz_loadu_ps(k, p.add(i)), m);
+        if hit != 0 {
+            return (i + hit.trailing_zeros() as usize) as u32;
+        }
+        i += 16;
+    }
+    0 // unreachable: the maximum is one of the values, xs[0] being a number
 }
 
 /// Logits of row `row` of a `[T, vocab]` tensor as a host vector.
@@ -719,4 +766,34 @@ pub fn rows_to_vec(logits: &Tensor) -> Result<Vec<Vec<f32>>> {
 /// Last-dim softmax helper for tests and training code.
 pub fn softmax(x: &Tensor) -> Result<Tensor> {
     Ok(candle_nn::ops::softmax(x, D::Minus1)?)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn argmax_matches_the_scalar_scan_with_ties_nans_and_signed_zeros() {
+        let mut cases: Vec<Vec<f32>> = vec![vec![], vec![1.0], vec![f32::NAN, 5.0, 2.0], vec![-0.0, 0.0, -1.0], vec![0.0, -0.0], vec![f32::NEG_INFINITY; 20]];
+        let mut s = 12345u64;
+        for n in [1usize, 15, 16, 17, 33, 100, 49152] {
+            for kind in 0..4 {
+                let v: Vec<f32> = (0..n)
+                    .map(|_| {
+                        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                        let r = (s >> 40) as u32;
+                        match kind {
+                            0 => r as f32 / 1e6,
+                            1 => (r % 5) as f32, // many ties
+                            2 if r % 7 == 0 => f32::NAN,
+                            3 if r % 11 == 0 => f32::INFINITY,
+                            _ => -(r as f32) / 1e3,
+                        }
+                    })
+                    .collect();
+                cases.push(v);
+            }
+        }
+        for v in &cases {
+            assert_eq!(super::argmax(v), super::argmax_scalar(v), "{:?}", &v[..v.len().min(24)]);
+        }
+    }
 }

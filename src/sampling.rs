@@ -141,6 +141,9 @@ impl SamplingParams {
     /// Pick the next token as plain decoding does.
     pub fn choose(&self, logits: &[f32], history: &[u32], rng: &mut Rng64) -> u32 {
         if self.is_greedy() {
+            if !self.has_penalties() {
+                return crate::model::argmax(logits);
+            }
             return crate::model::argmax(&self.penalised(logits, history));
         }
         sample_from(&self.distribution(logits, history), rng)
