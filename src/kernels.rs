@@ -412,7 +412,8 @@ pub(crate) mod avx512_packed {
     use super::{Elem, OutPtr, PackedWeight, PANEL};
     use std::arch::x86_64::*;
 
-    /// `MR` activation rows x `NR` panels (16 columns each), over inputs `k0..k1`. A tile that
+    /// `MR` activation rows x `NR` panels (16 columns each), over inputs `k0..k1`, prefetching
+    /// `ahead` inputs on when `PREFETCH` (the argument is unused otherwise). A tile that
     /// does not start at input 0 resumes the partial sums it left in `out`: storing an f32 and
     /// loading it back is exact, so each output is still one unbroken FMA chain in input order.
     #[inline(always)]
@@ -431,8 +432,8 @@ pub(crate) mod avx512_packed {
         // the instructions of a 6 x 4 tile, more than the front end could issue beside the
         // FMAs: f16 8-token forwards 12.2 -> 10.9 ms, interleaved A/B; f32 unchanged).
         let wrap = k.saturating_sub(ahead).clamp(k0, k1);
+        let (wb, xb) = (w.add(p0 * panel_len), x.add(i0 * k));
         for (from, to, beyond) in [(k0, wrap, 0), (wrap, k1, (NR - 1) * panel_len)] {
-            let (wb, xb) = (w.add(p0 * panel_len), x.add(i0 * k));
             for kk in from..to {
                 if PREFETCH {
                     let pf = wb.wrapping_add((kk + ahead) * PANEL + beyond);
@@ -508,7 +509,7 @@ pub(crate) mod avx512_packed {
             let k1 = (k0 + slice).min(k);
             let mut i = 0;
             if m > 6 {
-                // The first tile of each slice fetches the next slice while the rest compute.
+                // The first tile of each slice prefetches SLICED_AHEAD inputs on.
                 tile::<E, 6, NR, true>(x, k, w, 0, p, n, out, k0, k1, SLICED_AHEAD);
                 i = 6;
             } else if m > 0 {
