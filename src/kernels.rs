@@ -122,6 +122,13 @@ fn dot4_fixed(x: &[f32], w0: &[f32], w1: &[f32], w2: &[f32], w3: &[f32]) -> [f32
     [reduce_lanes(a0), reduce_lanes(a1), reduce_lanes(a2), reduce_lanes(a3)]
 }
 
+/// The first `live` of 16 lanes (all 16 when `live >= 16`), for a vector pass's last block.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn tail_mask(live: usize) -> std::arch::x86_64::__mmask16 {
+    if live >= 16 { 0xffff } else { ((1u32 << live) - 1) as u16 }
+}
+
 /// Output pointer shared across rayon tasks that write disjoint columns.
 #[derive(Clone, Copy)]
 pub(crate) struct OutPtr(pub(crate) *mut f32);
@@ -753,14 +760,16 @@ impl TreeMask {
         self.visible[i * self.t + j]
     }
 
-    /// Additive mask `[t, prefix_len + t]` (0 or -inf) for devices that use candle's ops.
-    pub fn additive(&self, prefix_len: usize) -> Vec<f32> {
+    /// Additive mask (0 or -inf) for devices that use candle's ops: rows `first..t` (the
+    /// queries; earlier nodes may already be cached) over `prefix_len + t` keys.
+    pub fn additive(&self, prefix_len: usize, first: usize) -> Vec<f32> {
         let s = prefix_len + self.t;
-        let mut m = vec![0f32; self.t * s];
-        for i in 0..self.t {
+        let first = first.min(self.t);
+        let mut m = vec![0f32; (self.t - first) * s];
+        for i in first..self.t {
             for j in 0..self.t {
                 if !self.sees(i, j) {
-                    m[i * s + prefix_len + j] = f32::NEG_INFINITY;
+                    m[(i - first) * s + prefix_len + j] = f32::NEG_INFINITY;
                 }
             }
         }
@@ -1397,10 +1406,6 @@ mod attend512 {
         _mm512_mul_ps(e, _mm512_castsi512_ps(bits))
     }
 
-    #[inline(always)]
-    fn tail_mask(live: usize) -> __mmask16 {
-        if live >= 16 { 0xffff } else { ((1u32 << live) - 1) as __mmask16 }
-    }
 
     /// [`super::sum_exp_below`], 16 values at a time with the same per-lane arithmetic.
     #[target_feature(enable = "avx512f")]
@@ -1894,9 +1899,10 @@ mod tests {
         assert!(m.sees(3, 1) && m.sees(3, 0) && !m.sees(3, 2) && !m.sees(2, 1));
         assert_eq!(TreeMask::from_parents(&[None, Some(0)]).unwrap(), TreeMask::causal(2));
         assert!(TreeMask::from_parents(&[None, Some(1)]).is_err());
-        let add = m.additive(2);
+        let add = m.additive(2, 0);
         assert_eq!(add.len(), 4 * 6);
         assert_eq!(add[3 * 6 + 2 + 2], f32::NEG_INFINITY);
         assert_eq!(add[3 * 6 + 2 + 1], 0.0);
+        assert_eq!(m.additive(2, 3), add[3 * 6..].to_vec(), "the last rows alone");
     }
 }

@@ -291,7 +291,8 @@ enum Command {
         /// training/data. Where its longest match with the text so far beats the context's, the
         /// branch copies what most often followed it there.
         #[arg(long, num_args = 1..)]
-        datastore: Vec<PathBuf>,        /// Weight format the drafter runs in (see `generate --draft-weights`).
+        datastore: Vec<PathBuf>,
+        /// Weight format the drafter runs in (see `generate --draft-weights`).
         #[arg(long, default_value_t = selfspec::drafter::DRAFTING_FORMAT)]
         draft_weights: WeightFormat,
     },
@@ -319,7 +320,8 @@ enum Command {
         /// training/data. Where its longest match with the text so far beats the context's, the
         /// branch copies what most often followed it there.
         #[arg(long, num_args = 1..)]
-        datastore: Vec<PathBuf>,        /// Weight format the drafter runs in (see `generate --draft-weights`).
+        datastore: Vec<PathBuf>,
+        /// Weight format the drafter runs in (see `generate --draft-weights`).
         #[arg(long, default_value_t = selfspec::drafter::DRAFTING_FORMAT)]
         draft_weights: WeightFormat,
     },

@@ -678,7 +678,7 @@ pub fn attention_candle(q: &Tensor, k: &Tensor, v: &Tensor, mask: &TreeMask, pre
     if s != prefix + n || t > n {
         return Err(Error::InvalidArgument(format!("attention: {t} queries, {s} keys, prefix {prefix}, mask for {n}")));
     }
-    let add = Tensor::from_vec(mask.additive(prefix)[(n - t) * s..].to_vec(), (t, s), q.device())?;
+    let add = Tensor::from_vec(mask.additive(prefix, n - t), (t, s), q.device())?;
     let scores = (q.matmul(&k.t()?)? * scale as f64)?.broadcast_add(&add)?;
     let p = candle_nn::ops::softmax_last_dim(&scores)?;
     let o = p.matmul(&v)?; // [nh, t, hd]
@@ -732,7 +732,7 @@ unsafe fn argmax_avx512(xs: &[f32]) -> u32 {
     let n = xs.len();
     let p = xs.as_ptr();
     let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
-    let mask = |i: usize| -> __mmask16 { if n - i >= 16 { 0xffff } else { ((1u32 << (n - i)) - 1) as __mmask16 } };
+    let mask = |i: usize| crate::kernels::tail_mask(n - i);
     let mut acc = ninf;
     let mut i = 0;
     while i < n {
