@@ -1289,9 +1289,8 @@ const EXP_POLY: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_
 
 /// Attention for one query head over `keys` in slot order. The reference for the SIMD path:
 /// scores are `dot_fixed * scale`, the softmax sum runs in 16 interleaved lanes and then the
-/// pairwise tree, the output is four fused multiply-add chains per element (key jj feeds chain jj % 4), summed
-/// pairwise.
-/// None of it depends on how many rows or heads the call holds.
+/// pairwise tree, and each output element is one fused multiply-add chain over the keys in
+/// order, times 1 / sum. None of it depends on how many rows or heads the call holds.
 #[inline(always)]
 fn attend_head<E: Elem>(kv: &KvHead<E>, q: &[f32], keys: &[usize], scratch: &mut Scratch, o: &mut [f32]) {
     let n = keys.len();
@@ -1312,26 +1311,22 @@ fn attend_head<E: Elem>(kv: &KvHead<E>, q: &[f32], keys: &[usize], scratch: &mut
         lanes[jj % LANES] += *sc;
     }
     let inv = 1.0 / reduce_lanes(lanes);
-    // Key jj goes to chain jj % V_CHAINS: independent chains keep the FMA units busy, and the
-    // assignment depends only on the key's place in this row's own list.
+    // One chain per element: the SIMD path gets its independent chains from the pairs that
+    // share a V row instead (see `attend512::values`), so a key's place in the chain is just
+    // its place in this row's own list.
     chains.clear();
-    chains.resize(V_CHAINS * kv.d, 0.0);
+    chains.resize(kv.d, 0.0);
     for jj in 0..n {
         let p = scores[jj];
         load(row, &kv.v[kv.rows(keys[jj])]);
-        let acc = &mut chains[(jj % V_CHAINS) * kv.d..(jj % V_CHAINS + 1) * kv.d];
-        for (o, &x) in acc.iter_mut().zip(row.iter()) {
+        for (o, &x) in chains.iter_mut().zip(row.iter()) {
             *o = p.mul_add(x, *o);
         }
     }
-    for (e, o) in o.iter_mut().enumerate() {
-        let c = |i: usize| chains[i * kv.d + e];
-        *o = ((c(0) + c(1)) + (c(2) + c(3))) * inv;
+    for (o, c) in o.iter_mut().zip(chains.iter()) {
+        *o = c * inv;
     }
 }
-
-/// Interleaved accumulation chains for the attention output (see `attend_head`).
-const V_CHAINS: usize = 4;
 
 /// The same code compiled with hardware FMA (identical results, as FMA is exactly rounded).
 #[cfg(target_arch = "x86_64")]
@@ -1463,13 +1458,31 @@ mod attend512 {
         _mm512_mul_ps(reduce16(&acc), scale)
     }
 
-    /// Keys `jj..jj + V_CHAINS` of one pair into its output chains (key jj + ch feeds chain ch).
+    /// Keys `j0..j1` (`rows[j]` their V rows) into the output chains of `PB` pairs, whose
+    /// probabilities for key `j` are `probs[pb][j]`: each V row is loaded once for all `PB`
+    /// pairs (a single pair's loop made one load per multiply-add and was bound by L1 loads).
     #[inline(always)]
-    unsafe fn values4<E: Elem, const C: usize>(acc: &mut [[__m512; C]; V_CHAINS], probs: *const f32, rows: [*const E; V_CHAINS], live: usize) {
-        for (ch, acc) in acc.iter_mut().enumerate().take(live) {
-            let p = _mm512_set1_ps(*probs.add(ch));
-            for (c, acc) in acc.iter_mut().enumerate() {
-                *acc = _mm512_fmadd_ps(p, E::load16(rows[ch].add(c * LANES)), *acc);
+    unsafe fn values<const PB: usize, const C: usize>(acc: &mut [[__m512; C]; PB], probs: [*const f32; PB], row: impl Fn(usize) -> *const f32, j0: usize, j1: usize) {
+        for j in j0..j1 {
+            let r = row(j);
+            let v: [__m512; C] = std::array::from_fn(|c| _mm512_loadu_ps(r.add(c * LANES)));
+            for (pb, acc) in acc.iter_mut().enumerate() {
+                let p = _mm512_set1_ps(*probs[pb].add(j));
+                for c in 0..C {
+                    acc[c] = _mm512_fmadd_ps(p, v[c], acc[c]);
+                }
+            }
+        }
+    }
+
+    /// [`values`] for one pair, V rows in the cache's own element type.
+    #[inline(always)]
+    unsafe fn values1<E: Elem, const C: usize>(acc: &mut [__m512; C], probs: *const f32, row: impl Fn(usize) -> *const E, j0: usize, j1: usize) {
+        for j in j0..j1 {
+            let r = row(j);
+            let p = _mm512_set1_ps(*probs.add(j));
+            for c in 0..C {
+                acc[c] = _mm512_fmadd_ps(p, E::load16(r.add(c * LANES)), acc[c]);
             }
         }
     }
@@ -1485,8 +1498,7 @@ mod attend512 {
     }
 
     /// Keys of the shared prefix per step of the output phase: their V rows (16 KB for 64-wide
-    /// heads) stay in L1 while every pair of the task reads them. A multiple of `V_CHAINS`, so a
-    /// key feeds the same chain as when the pair runs alone.
+    /// heads) stay in L1 while every pair of the task reads them.
     const V_STEP: usize = 64;
 
     /// Attention for pairs that share a K/V head. Each pair's arithmetic is exactly that of the
@@ -1561,54 +1573,63 @@ mod attend512 {
             inv[pi] = 1.0 / reduce_lanes(l);
         }
         // Outputs: the shared prefix in steps of V_STEP keys for all pairs (chains parked in
-        // scratch between steps), then each pair's own keys.
-        let per = V_CHAINS * C;
+        // scratch between steps), pairs in blocks that share each V row's loads, then each
+        // pair's own keys.
         accs.clear();
-        accs.resize(np * per * LANES, 0.0);
+        accs.resize(np * C * LANES, 0.0);
         let ap = accs.as_mut_ptr();
-        let park = |pi: usize, acc: &[[__m512; C]; V_CHAINS]| {
-            for (ch, a) in acc.iter().enumerate() {
-                for (c, a) in a.iter().enumerate() {
-                    _mm512_storeu_ps(ap.add(((pi * V_CHAINS + ch) * C + c) * LANES), *a);
-                }
-            }
-        };
-        let unpark = |pi: usize| -> [[__m512; C]; V_CHAINS] {
-            std::array::from_fn(|ch| std::array::from_fn(|c| _mm512_loadu_ps(ap.add(((pi * V_CHAINS + ch) * C + c) * LANES))))
-        };
         let vshared = (prefix / V_STEP) * V_STEP;
+        // Pairs per block: their chains and one V row fill most of the 32 vector registers.
+        const fn block(c: usize) -> usize {
+            if c <= 4 { 4 } else { 2 }
+        }
+        let pb_max = block(C);
         for j0 in (0..vshared).step_by(V_STEP) {
             if widen {
                 widen_rows::<E, C>(kv, vp, j0, V_STEP, wp);
             }
-            for pi in 0..np {
-                let mut acc = unpark(pi);
-                for jj in (j0..j0 + V_STEP).step_by(V_CHAINS) {
-                    if widen {
-                        let rows: [*const f32; V_CHAINS] = std::array::from_fn(|ch| wp.add((jj - j0 + ch) * C * LANES) as *const f32);
-                        values4::<f32, C>(&mut acc, sp.add(pi * stride + jj), rows, V_CHAINS);
-                    } else {
-                        let rows: [*const E; V_CHAINS] = std::array::from_fn(|ch| vp.add(kv.row(jj + ch)));
-                        values4::<E, C>(&mut acc, sp.add(pi * stride + jj), rows, V_CHAINS);
-                    }
+            let mut pi = 0;
+            while pi < np {
+                let pb = pb_max.min(np - pi);
+                macro_rules! run {
+                    ($pb:literal) => {{
+                        let mut acc: [[__m512; C]; $pb] = std::array::from_fn(|b| std::array::from_fn(|c| _mm512_loadu_ps(ap.add(((pi + b) * C + c) * LANES))));
+                        let probs: [*const f32; $pb] = std::array::from_fn(|b| sp.add((pi + b) * stride) as *const f32);
+                        if widen {
+                            values::<$pb, C>(&mut acc, probs, |j| wp.add((j - j0) * C * LANES) as *const f32, j0, j0 + V_STEP);
+                        } else if std::mem::size_of::<E>() == 4 {
+                            values::<$pb, C>(&mut acc, probs, |j| vp.add(kv.row(j)) as *const f32, j0, j0 + V_STEP);
+                        } else {
+                            // One pair with an f16 cache: nothing to share the widening with.
+                            for b in 0..$pb {
+                                let mut one: [__m512; C] = acc[b];
+                                values1::<E, C>(&mut one, probs[b], |j| vp.add(kv.row(j)), j0, j0 + V_STEP);
+                                acc[b] = one;
+                            }
+                        }
+                        for (b, acc) in acc.iter().enumerate() {
+                            for (c, a) in acc.iter().enumerate() {
+                                _mm512_storeu_ps(ap.add(((pi + b) * C + c) * LANES), *a);
+                            }
+                        }
+                    }};
                 }
-                park(pi, &acc);
+                match pb {
+                    4 => run!(4),
+                    3 => run!(3),
+                    2 => run!(2),
+                    _ => run!(1),
+                }
+                pi += pb;
             }
         }
         for (pi, pr) in pairs.iter().enumerate() {
             let n = pr.keys.len();
-            let mut acc = unpark(pi);
-            let mut jj = vshared;
-            while jj < n {
-                let live = (n - jj).min(V_CHAINS);
-                let rows: [*const E; V_CHAINS] = std::array::from_fn(|ch| vp.add(kv.row(pr.keys[(jj + ch).min(n - 1)])));
-                values4::<E, C>(&mut acc, sp.add(pi * stride + jj), rows, live);
-                jj += V_CHAINS;
-            }
+            let mut acc: [__m512; C] = std::array::from_fn(|c| _mm512_loadu_ps(ap.add((pi * C + c) * LANES)));
+            values1::<E, C>(&mut acc, sp.add(pi * stride), |j| vp.add(kv.row(pr.keys[j])), vshared, n);
             let invv = _mm512_set1_ps(inv[pi]);
-            for c in 0..C {
-                let s = _mm512_add_ps(_mm512_add_ps(acc[0][c], acc[1][c]), _mm512_add_ps(acc[2][c], acc[3][c]));
-                _mm512_storeu_ps(pr.out.0.add(c * LANES), _mm512_mul_ps(s, invv));
+            for (c, a) in acc.iter().enumerate() {
+                _mm512_storeu_ps(pr.out.0.add(c * LANES), _mm512_mul_ps(*a, invv));
             }
         }
     }
