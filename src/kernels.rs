@@ -1468,8 +1468,8 @@ mod attend512 {
             let v: [__m512; C] = std::array::from_fn(|c| _mm512_loadu_ps(r.add(c * LANES)));
             for (pb, acc) in acc.iter_mut().enumerate() {
                 let p = _mm512_set1_ps(*probs[pb].add(j));
-                for c in 0..C {
-                    acc[c] = _mm512_fmadd_ps(p, v[c], acc[c]);
+                for (a, v) in acc.iter_mut().zip(&v) {
+                    *a = _mm512_fmadd_ps(p, *v, *a);
                 }
             }
         }
@@ -1481,8 +1481,8 @@ mod attend512 {
         for j in j0..j1 {
             let r = row(j);
             let p = _mm512_set1_ps(*probs.add(j));
-            for c in 0..C {
-                acc[c] = _mm512_fmadd_ps(p, E::load16(r.add(c * LANES)), acc[c]);
+            for (c, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_fmadd_ps(p, E::load16(r.add(c * LANES)), *a);
             }
         }
     }
