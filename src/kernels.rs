@@ -1458,9 +1458,10 @@ mod attend512 {
         _mm512_mul_ps(reduce16(&acc), scale)
     }
 
-    /// Keys `j0..j1` (`rows[j]` their V rows) into the output chains of `PB` pairs, whose
-    /// probabilities for key `j` are `probs[pb][j]`: each V row is loaded once for all `PB`
-    /// pairs (a single pair's loop made one load per multiply-add and was bound by L1 loads).
+    /// Keys `j0..j1` (key `j`'s V row at `row(j)`, in f32) into the output chains of `PB`
+    /// pairs, whose probabilities for key `j` are `probs[pb][j]`: each V row is loaded once for
+    /// all `PB` pairs (a single pair's loop made one load per multiply-add and was bound by L1
+    /// loads). Each pair's chains see its keys in order, as when it runs alone.
     #[inline(always)]
     unsafe fn values<const PB: usize, const C: usize>(acc: &mut [[__m512; C]; PB], probs: [*const f32; PB], row: impl Fn(usize) -> *const f32, j0: usize, j1: usize) {
         for j in j0..j1 {
