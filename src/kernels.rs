@@ -1401,7 +1401,6 @@ mod attend512 {
         _mm512_mul_ps(e, _mm512_castsi512_ps(bits))
     }
 
-
     /// [`super::sum_exp_below`], 16 values at a time with the same per-lane arithmetic.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn sum_exp_below(xs: &[f32], max: f32) -> f32 {
@@ -1458,32 +1457,20 @@ mod attend512 {
         _mm512_mul_ps(reduce16(&acc), scale)
     }
 
-    /// Keys `j0..j1` (key `j`'s V row at `row(j)`, in f32) into the output chains of `PB`
-    /// pairs, whose probabilities for key `j` are `probs[pb][j]`: each V row is loaded once for
-    /// all `PB` pairs (a single pair's loop made one load per multiply-add and was bound by L1
-    /// loads). Each pair's chains see its keys in order, as when it runs alone.
+    /// Keys `j0..j1` (key `j`'s V row at `row(j)`) into the output chains of `PB` pairs, whose
+    /// probabilities for key `j` are `probs[pb][j]`: each V row is loaded (and widened) once
+    /// for all `PB` pairs (a single pair's loop made one load per multiply-add and was bound by
+    /// L1 loads). Each pair's chains see its keys in order, as when it runs alone.
     #[inline(always)]
-    unsafe fn values<const PB: usize, const C: usize>(acc: &mut [[__m512; C]; PB], probs: [*const f32; PB], row: impl Fn(usize) -> *const f32, j0: usize, j1: usize) {
+    unsafe fn values<E: Elem, const PB: usize, const C: usize>(acc: &mut [[__m512; C]; PB], probs: [*const f32; PB], row: impl Fn(usize) -> *const E, j0: usize, j1: usize) {
         for j in j0..j1 {
             let r = row(j);
-            let v: [__m512; C] = std::array::from_fn(|c| _mm512_loadu_ps(r.add(c * LANES)));
+            let v: [__m512; C] = std::array::from_fn(|c| E::load16(r.add(c * LANES)));
             for (pb, acc) in acc.iter_mut().enumerate() {
                 let p = _mm512_set1_ps(*probs[pb].add(j));
                 for (a, v) in acc.iter_mut().zip(&v) {
                     *a = _mm512_fmadd_ps(p, *v, *a);
                 }
-            }
-        }
-    }
-
-    /// [`values`] for one pair, V rows in the cache's own element type.
-    #[inline(always)]
-    unsafe fn values1<E: Elem, const C: usize>(acc: &mut [__m512; C], probs: *const f32, row: impl Fn(usize) -> *const E, j0: usize, j1: usize) {
-        for j in j0..j1 {
-            let r = row(j);
-            let p = _mm512_set1_ps(*probs.add(j));
-            for (c, a) in acc.iter_mut().enumerate() {
-                *a = _mm512_fmadd_ps(p, E::load16(r.add(c * LANES)), *a);
             }
         }
     }
@@ -1597,16 +1584,9 @@ mod attend512 {
                         let mut acc: [[__m512; C]; $pb] = std::array::from_fn(|b| std::array::from_fn(|c| _mm512_loadu_ps(ap.add(((pi + b) * C + c) * LANES))));
                         let probs: [*const f32; $pb] = std::array::from_fn(|b| sp.add((pi + b) * stride) as *const f32);
                         if widen {
-                            values::<$pb, C>(&mut acc, probs, |j| wp.add((j - j0) * C * LANES) as *const f32, j0, j0 + V_STEP);
-                        } else if std::mem::size_of::<E>() == 4 {
-                            values::<$pb, C>(&mut acc, probs, |j| vp.add(kv.row(j)) as *const f32, j0, j0 + V_STEP);
+                            values::<f32, $pb, C>(&mut acc, probs, |j| wp.add((j - j0) * C * LANES) as *const f32, j0, j0 + V_STEP);
                         } else {
-                            // One pair with an f16 cache: nothing to share the widening with.
-                            for b in 0..$pb {
-                                let mut one: [__m512; C] = acc[b];
-                                values1::<E, C>(&mut one, probs[b], |j| vp.add(kv.row(j)), j0, j0 + V_STEP);
-                                acc[b] = one;
-                            }
+                            values::<E, $pb, C>(&mut acc, probs, |j| vp.add(kv.row(j)), j0, j0 + V_STEP);
                         }
                         for (b, acc) in acc.iter().enumerate() {
                             for (c, a) in acc.iter().enumerate() {
@@ -1626,10 +1606,10 @@ mod attend512 {
         }
         for (pi, pr) in pairs.iter().enumerate() {
             let n = pr.keys.len();
-            let mut acc: [__m512; C] = std::array::from_fn(|c| _mm512_loadu_ps(ap.add((pi * C + c) * LANES)));
-            values1::<E, C>(&mut acc, sp.add(pi * stride), |j| vp.add(kv.row(pr.keys[j])), vshared, n);
+            let mut acc: [[__m512; C]; 1] = [std::array::from_fn(|c| _mm512_loadu_ps(ap.add((pi * C + c) * LANES)))];
+            values::<E, 1, C>(&mut acc, [sp.add(pi * stride) as *const f32], |j| vp.add(kv.row(pr.keys[j])), vshared, n);
             let invv = _mm512_set1_ps(inv[pi]);
-            for (c, a) in acc.iter().enumerate() {
+            for (c, a) in acc[0].iter().enumerate() {
                 _mm512_storeu_ps(pr.out.0.add(c * LANES), _mm512_mul_ps(*a, invv));
             }
         }

@@ -660,7 +660,7 @@ fn quant_block(a: &QuantActs, m: usize, w: &PackedQuant, p0: usize, p1: usize, o
                         None => {
                             let mw = f16::from_bits(u16::from_le_bytes([blk[codes + 32 + 2 * c], blk[codes + 33 + 2 * c]])).to_f32();
                             *acc = (isum as f32).mul_add(dw * dx, *acc);
-                            *acc = mw.mul_add(dx * sx as f32, *acc);
+                            *acc = mw.mul_add(a.dsum[i * nb + b], *acc);
                         }
                     }
                 }
