@@ -6,6 +6,7 @@
 //! (bytes / DRAM bandwidth) it has an arithmetic floor, weights x T / rate. Where that floor
 //! reaches the stream's, checking more rows stops being nearly free, whatever the kernel. The
 //! example prints both floors for SmolLM2-135M's 134.5M matmul weights.
+//! Without AVX-512 it measures the AVX2 counterparts (256-bit FMA, `vpmaddubsw`).
 //! `cargo run --release --example peak`
 use std::time::Instant;
 
@@ -48,6 +49,50 @@ mod x86 {
     }
 }
 
+/// The 256-bit instructions the AVX2 kernels use, for CPUs without AVX-512.
+#[cfg(target_arch = "x86_64")]
+mod x86_avx2 {
+    use std::arch::x86_64::*;
+
+    /// `iters` rounds of 12 independent 256-bit FMA chains.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn fma(iters: u64) -> f32 {
+        let mut a = [_mm256_set1_ps(1.0); 12];
+        for (j, a) in a.iter_mut().enumerate() {
+            *a = _mm256_set1_ps(1.0 + j as f32 * 1e-7);
+        }
+        let (b, c) = (_mm256_set1_ps(0.999_999_9), _mm256_set1_ps(1e-8));
+        for _ in 0..iters {
+            for a in a.iter_mut() {
+                *a = _mm256_fmadd_ps(*a, b, c);
+            }
+        }
+        let mut out = [0f32; 8];
+        let s = a.iter().fold(_mm256_setzero_ps(), |s, &v| _mm256_add_ps(s, v));
+        _mm256_storeu_ps(out.as_mut_ptr(), s);
+        out.iter().sum()
+    }
+
+    /// 12 independent `vpmaddubsw` + `vpaddw` chains (32 byte products into 16 int16 lanes per
+    /// `vpmaddubsw`, the AVX2 integer kernel's multiply).
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn maddubs(iters: u64) -> i32 {
+        let mut a = [_mm256_setzero_si256(); 12];
+        let c = _mm256_set1_epi8(-1);
+        for (j, a) in a.iter_mut().enumerate() {
+            *a = _mm256_set1_epi8(j as i8 + 1);
+        }
+        for _ in 0..iters {
+            for a in a.iter_mut() {
+                // The chain's own value feeds the multiply, so it cannot be hoisted.
+                *a = _mm256_add_epi16(*a, _mm256_maddubs_epi16(*a, c));
+            }
+        }
+        let s = a.iter().fold(_mm256_setzero_si256(), |s, &v| _mm256_add_epi16(s, v));
+        _mm256_extract_epi16::<0>(s)
+    }
+}
+
 /// Instructions per second over `threads` threads each running `f(iters)` (12 per round).
 fn rate(threads: usize, iters: u64, f: fn(u64) -> f64) -> f64 {
     let t = Instant::now();
@@ -62,12 +107,23 @@ fn rate(threads: usize, iters: u64, f: fn(u64) -> f64) -> f64 {
 fn main() {
     #[cfg(target_arch = "x86_64")]
     {
-        if !std::arch::is_x86_feature_detected!("avx512f") {
-            println!("no AVX-512 on this CPU: nothing to measure");
-            return;
-        }
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let iters = 100_000_000;
+        if !std::arch::is_x86_feature_detected!("avx512f") {
+            if !(std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")) {
+                println!("neither AVX-512 nor AVX2 with FMA on this CPU: nothing to measure");
+                return;
+            }
+            let fma: fn(u64) -> f64 = |n| unsafe { x86_avx2::fma(n) as f64 };
+            let (f1, fa) = (rate(1, iters, fma), rate(cores, iters, fma));
+            println!("no AVX-512; 256-bit f32 FMA: {:.2} G/s on one thread, {:.2} G/s on {cores} ({:.0} GFLOP/s)", f1 / 1e9, fa / 1e9, fa * 16.0 / 1e9);
+            println!("  f32 arithmetic floor of a SmolLM2-135M forward over T rows (all cores): T=1 {:.2} ms, T=8 {:.1} ms, T=16 {:.1} ms", WEIGHTS / (fa * 8.0) * 1e3, 8.0 * WEIGHTS / (fa * 8.0) * 1e3, 16.0 * WEIGHTS / (fa * 8.0) * 1e3);
+            let mb: fn(u64) -> f64 = |n| unsafe { x86_avx2::maddubs(n) as f64 };
+            let (m1, ma) = (rate(1, iters, mb), rate(cores, iters, mb));
+            println!("256-bit vpmaddubsw (+ vpaddw): {:.2} G/s on one thread, {:.2} G/s on {cores} ({:.0} G int8 MAC/s)", m1 / 1e9, ma / 1e9, ma * 32.0 / 1e9);
+            println!("  int8 multiply floor over T rows, without widening and the per-block float steps: T=1 {:.2} ms, T=8 {:.2} ms, T=16 {:.2} ms", WEIGHTS / (ma * 32.0) * 1e3, 8.0 * WEIGHTS / (ma * 32.0) * 1e3, 16.0 * WEIGHTS / (ma * 32.0) * 1e3);
+            return;
+        }
         let fma: fn(u64) -> f64 = |n| unsafe { x86::fma(n) as f64 };
         let f1 = rate(1, iters, fma);
         let fa = rate(cores, iters, fma);

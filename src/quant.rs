@@ -461,18 +461,16 @@ pub(crate) fn for_each_panel_range(panels: usize, group: usize, f: impl Fn(usize
 
 fn matmul_f16(x: &[f32], m: usize, w: &PackedF16) -> Vec<f32> {
     assert_eq!(x.len(), m * w.k, "x has {} values, expected {m}x{}", x.len(), w.k);
-    let use_avx512 = matches!(isa(), Isa::Avx512);
+    let isa = isa();
     // SAFETY: the panel ranges cover every column, and each panel writes all rows.
     unsafe {
         written_by(m * w.n, |ptr| {
-            for_each_panel_range(w.n.div_ceil(PANEL), 4, |p0, p1| {
+            for_each_panel_range(w.n.div_ceil(PANEL), 4, |p0, p1| match isa {
                 #[cfg(target_arch = "x86_64")]
-                if use_avx512 {
-                    crate::kernels::avx512_packed::block_of(x, m, w.k, w.n, w.data.as_ptr(), p0, p1, ptr);
-                    return;
-                }
-                let _ = use_avx512;
-                f16_block(x, m, w, p0, p1, ptr);
+                Isa::Avx512 => crate::kernels::avx512_packed::block_of(x, m, w.k, w.n, w.data.as_ptr(), p0, p1, ptr),
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx2 => crate::kernels::avx2_packed::block_of(x, m, w.k, w.n, w.data.as_ptr(), p0, p1, ptr),
+                Isa::Portable => f16_block(x, m, w, p0, p1, ptr),
             })
         })
     }
@@ -594,6 +592,7 @@ fn matmul_quant(x: &[f32], m: usize, w: &PackedQuant) -> Vec<f32> {
     assert_eq!(x.len(), m * w.k, "x has {} values, expected {m}x{}", x.len(), w.k);
     let acts = quantize_acts(x, m, w.k);
     let vnni = vnni();
+    let avx2 = crate::kernels::has_avx2();
     // SAFETY: the panel ranges cover every column, and each panel writes all rows.
     unsafe {
         written_by(m * w.n, |ptr| {
@@ -603,7 +602,12 @@ fn matmul_quant(x: &[f32], m: usize, w: &PackedQuant) -> Vec<f32> {
                     avx512_quant::block(&acts, m, w, p0, p1, ptr);
                     return;
                 }
-                let _ = vnni;
+                #[cfg(target_arch = "x86_64")]
+                if avx2 {
+                    avx2_quant::block(&acts, m, w, p0, p1, ptr);
+                    return;
+                }
+                let _ = (vnni, avx2);
                 quant_block(&acts, m, w, p0, p1, ptr);
             })
         })
@@ -840,6 +844,150 @@ mod avx512_quant {
     }
 }
 
+/// The integer kernel on AVX2 (CPUs without AVX-512 VNNI): the same exact integer sums as
+/// `vpdpbusd`, from `vpmaddubsw` (unsigned 8-bit times signed 8-bit, adjacent pairs added into
+/// 16 bits) and `vpmaddwd` against ones (adjacent 16-bit pairs into 32 bits), then the same
+/// float steps per block, so the same bits as the VNNI and portable kernels.
+///
+/// Why the pairs cannot overflow 16 bits: activation codes lie in [-127, 127]. A 4-bit pair is
+/// at most 2 * 15 * 127 = 3,810 in size, so a block's 8 of them per lane (30,480) still fit
+/// and are added in 16 bits before one widening. 8-bit codes are taken as `code - zero` in
+/// [-128, 127] with the sign moved onto the activation (`vpsignb`), so a pair is at most
+/// 2 * 128 * 127 = 32,512, widened one at a time.
+#[cfg(target_arch = "x86_64")]
+mod avx2_quant {
+    use super::{OutPtr, PackedQuant, QuantActs, QK};
+    use crate::kernels::PANEL;
+    use std::arch::x86_64::*;
+
+    /// How far ahead (in blocks of one panel) the weight stream is prefetched into L2.
+    const PREFETCH_BLOCKS: usize = 16;
+
+    /// `MR` rows x half `H` of panel `p` (its columns `8H..8H + 8`). Why half a panel: a
+    /// tile's 16-bit and float accumulators then take 2 * MR registers, so 4 rows fit AVX2's 16
+    /// with the codes and activations (a whole panel spilled to the stack in every block).
+    #[inline(always)]
+    unsafe fn tile<const MR: usize, const B4: bool, const OFS: bool>(a: &QuantActs, w: &PackedQuant, i0: usize, p: usize, h: usize, out: OutPtr) {
+        let (k, n) = (w.k, w.n);
+        let nb = k / QK;
+        let stride = PackedQuant::stride(B4, OFS);
+        let zero = w.zero.unwrap_or(0) as i32;
+        let codes = PackedQuant::codes_bytes(B4);
+        let xq = a.q.as_ptr();
+        let low = _mm256_set1_epi8(0x0f);
+        let ones = _mm256_set1_epi16(1);
+        let flip = _mm256_set1_epi8(-128);
+        let mut acc = [_mm256_setzero_ps(); MR];
+        for b in 0..nb {
+            let blk = w.data.as_ptr().add((p * nb + b) * stride);
+            if h == 0 {
+                let far = blk.wrapping_add(stride * PREFETCH_BLOCKS);
+                let mut o = 0;
+                while o < stride {
+                    _mm_prefetch::<_MM_HINT_T1>(far.wrapping_add(o) as *const i8);
+                    o += 64;
+                }
+            }
+            let mut isum = [_mm256_setzero_si256(); MR];
+            if B4 {
+                let mut s16 = [_mm256_setzero_si256(); MR];
+                for g in 0..4 {
+                    let raw = _mm256_loadu_si256(blk.add(g * 64 + h * 32) as *const __m256i);
+                    let lo = _mm256_and_si256(raw, low);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), low);
+                    for (ii, s) in s16.iter_mut().enumerate() {
+                        let row = xq.add((i0 + ii) * k + b * QK);
+                        let xl = _mm256_set1_epi32((row.add(4 * g) as *const i32).read_unaligned());
+                        let xh = _mm256_set1_epi32((row.add(16 + 4 * g) as *const i32).read_unaligned());
+                        *s = _mm256_add_epi16(*s, _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)));
+                    }
+                }
+                for (is, s) in isum.iter_mut().zip(&s16) {
+                    *is = _mm256_madd_epi16(*s, ones);
+                }
+            } else {
+                for g in 0..8 {
+                    // code - 128 as a signed byte, its size, and the activation carrying its sign.
+                    let signed = _mm256_xor_si256(_mm256_loadu_si256(blk.add(g * 64 + h * 32) as *const __m256i), flip);
+                    let size = _mm256_abs_epi8(signed);
+                    for (ii, is) in isum.iter_mut().enumerate() {
+                        let row = xq.add((i0 + ii) * k + b * QK);
+                        let x = _mm256_set1_epi32((row.add(4 * g) as *const i32).read_unaligned());
+                        let pairs = _mm256_maddubs_epi16(size, _mm256_sign_epi8(x, signed));
+                        *is = _mm256_add_epi32(*is, _mm256_madd_epi16(pairs, ones));
+                    }
+                }
+            }
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(codes + h * 16) as *const __m128i));
+            let mw = if OFS { _mm256_cvtph_ps(_mm_loadu_si128(blk.add(codes + 32 + h * 16) as *const __m128i)) } else { dw };
+            for ii in 0..MR {
+                let dx = *a.d.get_unchecked((i0 + ii) * nb + b);
+                let scale = _mm256_mul_ps(dw, _mm256_set1_ps(dx));
+                if OFS {
+                    acc[ii] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[ii]), scale, acc[ii]);
+                    acc[ii] = _mm256_fmadd_ps(mw, _mm256_set1_ps(*a.dsum.get_unchecked((i0 + ii) * nb + b)), acc[ii]);
+                } else if B4 {
+                    // 4-bit codes were summed as they are: take off zero * sum(x).
+                    let sx = *a.sum.get_unchecked((i0 + ii) * nb + b);
+                    let centred = _mm256_sub_epi32(isum[ii], _mm256_set1_epi32(zero * sx));
+                    acc[ii] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), scale, acc[ii]);
+                } else {
+                    // 8-bit codes were already centred (code - 128).
+                    acc[ii] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[ii]), scale, acc[ii]);
+                }
+            }
+        }
+        let col = p * PANEL + h * 8;
+        let live = n.saturating_sub(col).min(8);
+        for (ii, v) in acc.iter().enumerate() {
+            let dst = out.0.add((i0 + ii) * n + col);
+            if live == 8 {
+                _mm256_storeu_ps(dst, *v);
+            } else {
+                let mut buf = [0f32; 8];
+                _mm256_storeu_ps(buf.as_mut_ptr(), *v);
+                std::ptr::copy_nonoverlapping(buf.as_ptr(), dst, live);
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn panel<const B4: bool, const OFS: bool>(a: &QuantActs, m: usize, w: &PackedQuant, p: usize, out: OutPtr) {
+        for h in 0..2 {
+            if p * PANEL + h * 8 >= w.n {
+                break;
+            }
+            let mut i = 0;
+            while i + 4 <= m {
+                tile::<4, B4, OFS>(a, w, i, p, h, out);
+                i += 4;
+            }
+            match m - i {
+                3 => tile::<3, B4, OFS>(a, w, i, p, h, out),
+                2 => tile::<2, B4, OFS>(a, w, i, p, h, out),
+                1 => tile::<1, B4, OFS>(a, w, i, p, h, out),
+                _ => {}
+            }
+        }
+    }
+
+    /// Panels `p0..p1` for the `m` quantized activation rows in `a`.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C must be present.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn block(a: &QuantActs, m: usize, w: &PackedQuant, p0: usize, p1: usize, out: OutPtr) {
+        for p in p0..p1 {
+            match (w.bits4, w.zero.is_none()) {
+                (true, true) => panel::<true, true>(a, m, w, p, out),
+                (true, false) => panel::<true, false>(a, m, w, p, out),
+                (false, true) => panel::<false, true>(a, m, w, p, out),
+                (false, false) => panel::<false, false>(a, m, w, p, out),
+            }
+        }
+    }
+}
+
 /// candle op: `x [.., k] x w -> [.., n]` with any fast-path weight.
 pub struct CpuMatmul(pub std::sync::Arc<CpuWeight>);
 
@@ -966,6 +1114,43 @@ mod tests {
             let mut port = vec![0f32; 6 * n];
             quant_block(&quantize_acts(&x, 6, k), 6, &pq, 0, n.div_ceil(PANEL), OutPtr(port.as_mut_ptr()));
             assert_eq!(port, matmul_quant(&x, 6, &pq), "{:?}", q.kind);
+        }
+    }
+
+    /// The AVX2 kernels (f16 tiles, integer blocks) give the portable kernels' bits for every
+    /// row count, wherever AVX2 runs: Q8_0 with every code including 0 (-128 after centring,
+    /// the one whose size needs the unsigned byte), Q4_1 and Q4_0.
+    #[test]
+    fn avx2_kernels_match_portable_bits() {
+        if !crate::kernels::has_avx2() {
+            return;
+        }
+        let (n, k) = (40, 96);
+        let w = rand_vec(n * k, 23);
+        let f = PackedF16::pack(&w, n, k);
+        let mut q8 = QuantRows::quantize_q8_0(&w, n, k).unwrap();
+        // Codes -128 and 127 in the first block of row 0 (GGUF's Q8_0: f16 scale, 32 i8).
+        q8.bytes[2] = 0x80;
+        q8.bytes[3] = 0x7f;
+        for m in [1usize, 2, 3, 4, 5, 7, 8, 13, 16] {
+            let x: Vec<f32> = rand_vec(m * k, 24 + m as u64).iter().map(|v| v * 3.0).collect();
+            let panels = n.div_ceil(PANEL);
+            let mut port = vec![0f32; m * n];
+            f16_block(&x, m, &f, 0, panels, OutPtr(port.as_mut_ptr()));
+            let mut got = vec![f32::NAN; m * n];
+            #[cfg(target_arch = "x86_64")]
+            unsafe { crate::kernels::avx2_packed::block_of(&x, m, k, n, f.data.as_ptr(), 0, panels, OutPtr(got.as_mut_ptr())) };
+            assert_eq!(got, port, "f16 at m={m}");
+            let acts = quantize_acts(&x, m, k);
+            for q in [&q8, &q4_1_rows(&w, n, k), &q4_0_rows(&w, n, k)] {
+                let pq = PackedQuant::pack(q);
+                let mut port = vec![0f32; m * n];
+                quant_block(&acts, m, &pq, 0, panels, OutPtr(port.as_mut_ptr()));
+                let mut got = vec![f32::NAN; m * n];
+                #[cfg(target_arch = "x86_64")]
+                unsafe { avx2_quant::block(&acts, m, &pq, 0, panels, OutPtr(got.as_mut_ptr())) };
+                assert_eq!(got, port, "{:?} at m={m}", q.kind);
+            }
         }
     }
 
