@@ -705,7 +705,45 @@ pub fn argmax(xs: &[f32]) -> u32 {
         // SAFETY: AVX-512F is present.
         return unsafe { argmax_avx512(xs) };
     }
+    #[cfg(target_arch = "x86_64")]
+    if crate::kernels::has_avx2() {
+        // SAFETY: AVX2 is present.
+        return unsafe { argmax_avx2(xs) };
+    }
     argmax_scalar(xs)
+}
+
+/// [`argmax_avx512`] in 8 lanes: the largest non-NaN value, then the first index holding it.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn argmax_avx2(xs: &[f32]) -> u32 {
+    use std::arch::x86_64::*;
+    if xs.is_empty() || xs[0].is_nan() {
+        return 0;
+    }
+    let n = xs.len();
+    let p = xs.as_ptr();
+    let body = n / 8 * 8;
+    let mut acc = _mm256_set1_ps(f32::NEG_INFINITY);
+    let mut i = 0;
+    while i < body {
+        // max(x, acc) is x > acc ? x : acc, so a NaN x leaves acc as it was.
+        acc = _mm256_max_ps(_mm256_loadu_ps(p.add(i)), acc);
+        i += 8;
+    }
+    let mut lanes = [0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+    let best = lanes.iter().chain(&xs[body..]).fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
+    let m = _mm256_set1_ps(best);
+    let mut i = 0;
+    while i < body {
+        let hit = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_EQ_OQ>(_mm256_loadu_ps(p.add(i)), m));
+        if hit != 0 {
+            return (i + hit.trailing_zeros() as usize) as u32;
+        }
+        i += 8;
+    }
+    (body + xs[body..].iter().position(|&x| x == best).unwrap_or(0)) as u32
 }
 
 /// The reference scan [`argmax`] reproduces.
@@ -794,6 +832,10 @@ mod tests {
         }
         for v in &cases {
             assert_eq!(super::argmax(v), super::argmax_scalar(v), "{:?}", &v[..v.len().min(24)]);
+            #[cfg(target_arch = "x86_64")]
+            if crate::kernels::has_avx2() {
+                assert_eq!(unsafe { super::argmax_avx2(v) }, super::argmax_scalar(v), "AVX2: {:?}", &v[..v.len().min(24)]);
+            }
         }
     }
 }

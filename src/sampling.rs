@@ -161,6 +161,20 @@ fn exp_scaled(l: &[f32], max: f64, t: f64, p: &mut [f64]) {
         unsafe { exp_scaled_avx512(l, max, t, p) };
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the features were just detected.
+        unsafe { exp_scaled_avx2(l, max, t, p) };
+        return;
+    }
+    exp_scaled_generic(l, max, t, p);
+}
+
+/// Without FMA compiled in, each `mul_add` above is a libm call (15 per entry: about 4 ms of a
+/// sampled token on an AVX2 CPU); with it, four lanes and the same bits.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn exp_scaled_avx2(l: &[f32], max: f64, t: f64, p: &mut [f64]) {
     exp_scaled_generic(l, max, t, p);
 }
 
