@@ -653,7 +653,6 @@ pub(crate) mod avx2_packed {
     /// f32) stays in L1 while every row tile takes it.
     const K_SLICE: usize = 64;
 
-
     /// `MR` rows x `NR` panels over inputs `k0..k1`, resuming the partial sums in `out` when
     /// `k0 > 0` (an f32 stored and loaded back is exact, so each output stays one chain).
     #[inline(always)]

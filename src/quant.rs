@@ -851,9 +851,10 @@ mod avx512_quant {
 ///
 /// Why the pairs cannot overflow 16 bits: activation codes lie in [-127, 127]. A 4-bit pair is
 /// at most 2 * 15 * 127 = 3,810 in size, so a block's 8 of them per lane (30,480) still fit
-/// and are added in 16 bits before one widening. 8-bit codes are taken as `code - zero` in
+/// and are added in 16 bits before one widening. 8-bit codes are taken as `code - 128` in
 /// [-128, 127] with the sign moved onto the activation (`vpsignb`), so a pair is at most
-/// 2 * 128 * 127 = 32,512, widened one at a time.
+/// 2 * 128 * 127 = 32,512, widened one at a time; `128 * sum(x)` added back gives the codes'
+/// own sum.
 #[cfg(target_arch = "x86_64")]
 mod avx2_quant {
     use super::{OutPtr, PackedQuant, QuantActs, QK};
@@ -922,18 +923,17 @@ mod avx2_quant {
             let mw = if OFS { _mm256_cvtph_ps(_mm_loadu_si128(blk.add(codes + 32 + h * 16) as *const __m128i)) } else { dw };
             for ii in 0..MR {
                 let dx = *a.d.get_unchecked((i0 + ii) * nb + b);
+                let sx = *a.sum.get_unchecked((i0 + ii) * nb + b);
                 let scale = _mm256_mul_ps(dw, _mm256_set1_ps(dx));
+                // The sum over the codes themselves, as `vpdpbusd` gives it (8-bit codes were
+                // summed as code - 128); every step here is exact integer arithmetic.
+                let raw = if B4 { isum[ii] } else { _mm256_add_epi32(isum[ii], _mm256_set1_epi32(128 * sx)) };
                 if OFS {
-                    acc[ii] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[ii]), scale, acc[ii]);
+                    acc[ii] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(raw), scale, acc[ii]);
                     acc[ii] = _mm256_fmadd_ps(mw, _mm256_set1_ps(*a.dsum.get_unchecked((i0 + ii) * nb + b)), acc[ii]);
-                } else if B4 {
-                    // 4-bit codes were summed as they are: take off zero * sum(x).
-                    let sx = *a.sum.get_unchecked((i0 + ii) * nb + b);
-                    let centred = _mm256_sub_epi32(isum[ii], _mm256_set1_epi32(zero * sx));
-                    acc[ii] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), scale, acc[ii]);
                 } else {
-                    // 8-bit codes were already centred (code - 128).
-                    acc[ii] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[ii]), scale, acc[ii]);
+                    let centred = _mm256_sub_epi32(raw, _mm256_set1_epi32(zero * sx));
+                    acc[ii] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), scale, acc[ii]);
                 }
             }
         }
