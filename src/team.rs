@@ -141,7 +141,19 @@ pub fn run(tasks: usize, f: &(dyn Fn(usize) + Sync)) {
     let team = team();
     let guard = if tasks > 1 && team.workers > 0 && tasks <= MAX_TASKS { team.dispatch.try_lock().ok() } else { None };
     let Some(mut job_no) = guard else {
-        (0..tasks).for_each(f);
+        // On this thread alone (one task, no workers, or the team busy with another caller's
+        // job): the same contract, every task runs and the first panic is re-raised after them.
+        // Before, tasks after a panicking one were skipped here, so a caller saw different
+        // effects depending on whether the team was free (a flaky test when tests ran at once).
+        let mut first = None;
+        for i in 0..tasks {
+            if let Err(p) = catch_unwind(AssertUnwindSafe(|| f(i))) {
+                first.get_or_insert(p);
+            }
+        }
+        if let Some(p) = first {
+            std::panic::resume_unwind(p);
+        }
         return;
     };
     let s = team.shared;
@@ -306,5 +318,26 @@ mod tests {
             n.fetch_add(1, Ordering::Relaxed);
         });
         assert_eq!(n.load(Ordering::Relaxed), 8);
+    }
+
+    /// A call made while the team is busy (here from inside a task) runs on its own thread,
+    /// with the same contract: the other tasks still run, then the panic is re-raised.
+    #[test]
+    fn a_panic_in_a_call_on_a_busy_team_runs_the_rest_first() {
+        let finished = AtomicU32::new(0);
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            run(2, &|outer| {
+                if outer == 0 {
+                    run(16, &|i| {
+                        if i == 3 {
+                            panic!("task 3 fails on purpose");
+                        }
+                        finished.fetch_add(1, Ordering::Relaxed);
+                    })
+                }
+            })
+        }));
+        assert!(r.is_err());
+        assert_eq!(finished.load(Ordering::Relaxed), 15);
     }
 }
