@@ -67,6 +67,9 @@ pub struct EvalReport {
     pub model: String,
     /// The CPU weight format (`--weights`); speeds are only comparable within one format.
     pub weights: String,
+    /// Where the forward ran: the device, and on the CPU its kernels' instruction-set paths
+    /// (speeds are only comparable on one).
+    pub device: String,
     pub heads: String,
     /// "heads" or "draft layer".
     pub drafter: String,
@@ -244,6 +247,7 @@ pub fn evaluate(target: &Target, drafter: &Drafter, prompts: &[PromptItem], opts
     Ok(EvalReport {
         model: target.path.display().to_string(),
         weights: target.model.weight_format().to_string(),
+        device: if target.model.device().is_cpu() { format!("cpu ({} kernels)", crate::kernels::cpu_kernels()) } else { format!("{:?}", target.model.device().location()) },
         heads: String::new(),
         drafter: drafter.kind().to_string(),
         trees: opts.trees.iter().map(|t| t.0.clone()).collect(),
@@ -285,9 +289,10 @@ pub fn mark_drafted(target: &Target, out: &[u32], drafted: &[bool]) -> Result<St
 pub fn to_markdown(r: &EvalReport) -> String {
     let mut m = String::new();
     m.push_str(&format!(
-        "# selfspec eval\n\nmodel `{}` (weights {}), {} `{}`, temperature {}, max {} new tokens, {} turns.\n\n",
+        "# selfspec eval\n\nmodel `{}` (weights {}, {}), {} `{}`, temperature {}, max {} new tokens, {} turns.\n\n",
         r.model,
         r.weights,
+        r.device,
         r.drafter,
         r.heads,
         r.temperature,

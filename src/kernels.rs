@@ -334,6 +334,29 @@ pub(crate) fn has_avx2() -> bool {
     false
 }
 
+/// The instruction-set paths the CPU kernels take on this machine, as reports name them
+/// ("AVX-512, int8 on VNNI, bf16 on AMX", "AVX2", "portable"). Why reports carry it: every path
+/// gives the same bits, but timings, and so speed-ups and `auto`'s trees, are comparable only
+/// between runs on the same path.
+pub fn cpu_kernels() -> String {
+    let mut s = match isa() {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => "AVX-512".to_string(),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => "AVX2".to_string(),
+        Isa::Portable => "portable".to_string(),
+    };
+    if crate::quant::vnni() {
+        s.push_str(", int8 on VNNI");
+    } else if isa() != Isa::Avx2 && has_avx2() {
+        s.push_str(", int8 on AVX2");
+    }
+    if crate::bf16::amx_available() {
+        s.push_str(", bf16 on AMX");
+    }
+    s
+}
+
 pub(crate) fn isa() -> Isa {
     static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
     *ISA.get_or_init(|| {
@@ -2124,6 +2147,21 @@ mod tests {
         let mut port = vec![0f32; 17 * n];
         packed_block(&x, 17, &pw, 0, n.div_ceil(PANEL), OutPtr(port.as_mut_ptr()));
         assert_eq!(port, full);
+    }
+
+    #[test]
+    fn cpu_kernels_names_the_path_taken() {
+        let k = cpu_kernels();
+        let first = k.split(',').next().unwrap();
+        assert_eq!(first, match isa() {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => "AVX-512",
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => "AVX2",
+            Isa::Portable => "portable",
+        });
+        assert_eq!(k.contains("VNNI"), crate::quant::vnni());
+        assert_eq!(k.contains("AMX"), crate::bf16::amx_available());
     }
 
     /// The AVX2 tiles give the portable kernel's bits for every row count (each has its own

@@ -793,10 +793,11 @@ fn run(cli: Cli) -> Result<()> {
                 if !json {
                     let floor = bytes as f64 / selfspec::bench::DRAM_BYTES_PER_S * 1e3;
                     println!(
-                        "weights {f}: {:.0} MB read per forward (floor at 26 GB/s: {floor:.1} ms); {context}-token context, {:?} KV cache, {}",
+                        "weights {f}: {:.0} MB read per forward (floor at 26 GB/s: {floor:.1} ms); {context}-token context, {:?} KV cache, {}{}",
                         bytes as f64 / 1e6,
                         target.model.kv_dtype(),
-                        model.device
+                        model.device,
+                        if target.model.device().is_cpu() { format!(" ({} kernels)", selfspec::kernels::cpu_kernels()) } else { String::new() }
                     );
                     println!("{:>6} {:>10} {:>8}", "tokens", "median ms", "ratio");
                     for r in &rows {

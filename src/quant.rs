@@ -614,7 +614,7 @@ fn matmul_quant(x: &[f32], m: usize, w: &PackedQuant) -> Vec<f32> {
     }
 }
 
-fn vnni() -> bool {
+pub(crate) fn vnni() -> bool {
     static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *V.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
