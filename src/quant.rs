@@ -866,7 +866,9 @@ mod avx2_quant {
 
     /// `MR` rows x half `H` of panel `p` (its columns `8H..8H + 8`). Why half a panel: a
     /// tile's 16-bit and float accumulators then take 2 * MR registers, so 4 rows fit AVX2's 16
-    /// with the codes and activations (a whole panel spilled to the stack in every block).
+    /// with the codes and activations. Whole-panel tiles spilled to the stack in every block:
+    /// `examples/kbench`, 1536 x 576 Q4_1 streamed, 8 rows 0.074 -> 0.058 ms, 16 rows 0.149 ->
+    /// 0.110 ms on a 2-core Zen 3.
     #[inline(always)]
     unsafe fn tile<const MR: usize, const B4: bool, const OFS: bool>(a: &QuantActs, w: &PackedQuant, i0: usize, p: usize, h: usize, out: OutPtr) {
         let (k, n) = (w.k, w.n);
