@@ -1652,10 +1652,11 @@ mod attend256 {
     /// each pair's softmax, the output chains the same way, resumed from memory between blocks
     /// (an f32 stored and loaded back is exact, so each output element stays one chain over the
     /// keys in order). A pair's own keys after the prefix (a tree node's ancestors) follow,
-    /// pair by pair. Measured on a 2-core Zen 3 (`examples/attention_bench`), the blocks were
-    /// within noise of taking the pairs one at a time over all their keys (16 rows at a
-    /// 2,048-token context: 858 against 894 µs), so L2 is not what limits this loop there; nor is
-    /// widening f16 per pair (widening each block once for all pairs was 40-80% slower).
+    /// pair by pair. Against taking the pairs one at a time over all their keys, on a 2-core
+    /// Zen 3 (`examples/attention_bench`, f16 K/V, three interleaved rounds): 16 rows at a
+    /// 2,048-token context 905-914 -> 854-856 µs, 4 rows at 1,024 113-114 -> 110 µs, the same at
+    /// 256. So L2 is not much of what limits this loop there, and neither is widening f16 per
+    /// pair (widening each block once for all pairs was slower, 40-80% in a noisier run).
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn attend_group<E: Elem>(kv: &KvHead<E>, pairs: &[Pair], prefix: usize, scratch: &mut Scratch) {
         debug_assert!(kv.d.is_multiple_of(LANES) && kv.d <= MAX_D);
