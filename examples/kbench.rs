@@ -6,7 +6,7 @@
 //! against 32 from DRAM). `CACHED=1` repeats one copy instead, to see the arithmetic alone. Reported: the median call
 //! and, in brackets, the fastest (the least disturbed by other load on a shared machine).
 //! `cargo run --release --example kbench [n k]` (default: lm_head, 49152 x 576); row counts
-//! via `ROWS=1,4`.
+//! via `ROWS=1,4`, formats via `FORMATS=f32,q4_1`.
 use std::time::Instant;
 
 use selfspec::bf16::PackedBf16;
@@ -29,7 +29,8 @@ fn main() {
         _ => CpuWeight::Quant(PackedQuant::pack(&q4)),
     };
     println!("weight [{n}, {k}], {}", if cached { "one copy (cache-resident when it fits)" } else { "copies > STREAM_MB (streamed from DRAM)" });
-    for name in ["f32", "f16", "bf16", "q8_0", "q4_1"] {
+    let formats = std::env::var("FORMATS").unwrap_or("f32,f16,bf16,q8_0,q4_1".into());
+    for name in formats.split(',') {
         let first = make(name);
         let bytes = first.bytes() as f64;
         let stream = std::env::var("STREAM_MB").ok().and_then(|v| v.parse::<f64>().ok()).unwrap_or(1000.0) * 1e6;
