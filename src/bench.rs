@@ -13,6 +13,8 @@ pub const DRAM_BYTES_PER_S: f64 = 26e9;
 pub struct BenchRow {
     pub tokens: usize,
     pub median_ms: f64,
+    /// The fastest repetition: the least disturbed by other load on a shared machine.
+    pub min_ms: f64,
     /// median_ms / median_ms at T = 1.
     pub ratio: f64,
 }
@@ -47,7 +49,7 @@ pub fn bench_forward(model: &Llama, context: usize, token_counts: &[usize], reps
     let mut rows: Vec<BenchRow> = Vec::new();
     for (&t, mut times) in token_counts.iter().zip(times) {
         times.sort_by(|a, b| a.partial_cmp(b).unwrap());
-        rows.push(BenchRow { tokens: t, median_ms: times[times.len() / 2], ratio: 0.0 });
+        rows.push(BenchRow { tokens: t, median_ms: times[times.len() / 2], min_ms: times[0], ratio: 0.0 });
     }
     let base = rows.iter().find(|r| r.tokens == 1).map(|r| r.median_ms).unwrap_or(rows[0].median_ms);
     for r in rows.iter_mut() {

@@ -799,9 +799,9 @@ fn run(cli: Cli) -> Result<()> {
                         model.device,
                         if target.model.device().is_cpu() { format!(" ({} kernels)", selfspec::kernels::cpu_kernels()) } else { String::new() }
                     );
-                    println!("{:>6} {:>10} {:>8}", "tokens", "median ms", "ratio");
+                    println!("{:>6} {:>10} {:>8} {:>8}", "tokens", "median ms", "ratio", "min ms");
                     for r in &rows {
-                        println!("{:>6} {:>10.2} {:>8.2}", r.tokens, r.median_ms, r.ratio);
+                        println!("{:>6} {:>10.2} {:>8.2} {:>8.2}", r.tokens, r.median_ms, r.ratio, r.min_ms);
                     }
                 }
             }
