@@ -90,9 +90,13 @@ pub struct Budget {
     /// Measured on first use when absent; `eval` measures once and shares it.
     pub costs: Option<Arc<CostCurve>>,
     /// Bare `auto`: once the costs are measured, lower `max_nodes` to what this device affords
-    /// ([`CostCurve::affordable`] at [`AFFORDABLE_COST`]); `auto:N` keeps N.
+    /// ([`CostCurve::affordable`] at [`AFFORDABLE_COST`]), and refit it per step to the costs
+    /// the run observes ([`LiveCosts`]), up to [`AUTO_NODES`]; `auto:N` keeps N.
     pub fit_to_device: bool,
 }
+
+/// The most nodes bare `auto` grows, on a device whose cost curve is flat.
+pub const AUTO_NODES: usize = 16;
 
 /// The forward cost, relative to one token, up to which bare `auto` grows trees. Growing a node
 /// costs drafting time whether or not the cut keeps it, and with a drafter whose first guess is
@@ -108,8 +112,75 @@ impl Budget {
     /// This budget with `costs` measured in, and `max_nodes` fitted to them when asked.
     pub fn with_measured(self, costs: CostCurve) -> Budget {
         let max_nodes = if self.fit_to_device { costs.affordable(AFFORDABLE_COST).clamp(2, self.max_nodes.max(2)) } else { self.max_nodes };
-        Budget { max_nodes, costs: Some(Arc::new(costs)), fit_to_device: false }
+        Budget { max_nodes, costs: Some(Arc::new(costs)), fit_to_device: self.fit_to_device }
     }
+}
+
+/// The forward's cost as this run finds it: a line `a + b * t` fitted to the verification
+/// forwards' own times, seeded with the start-up curve.
+///
+/// Why: on a shared host the cost curve moves during a run. On the 2-core Zen 3 VM, five
+/// start-up timings minutes apart (`selfspec bench --context 128`, f32) put cost(4)/cost(1)
+/// between 1.22 and 1.68 and cost(8) between 1.58 and 2.41: one token's forward, bound by memory,
+/// ran at 12.5 or 17.3 ms as other tenants' traffic came and went, while 8 tokens, bound by
+/// arithmetic, took 27-30 ms either way. A curve timed once at start-up then sized every tree of
+/// the run for whichever regime the start-up met (bare `auto` grew 3 nodes in one fresh-clone
+/// demo and 6 in the next). The times are weighed down by `FORGET` per step, so the fit follows
+/// the last few dozen steps; the start-up points keep a small fixed weight, which holds the slope
+/// near the start-up one when the steps happen to verify trees of one size only.
+#[derive(Debug, Clone)]
+pub struct LiveCosts {
+    /// Weighted sums over the observed steps: (w, w t, w t^2, w ms, w t ms).
+    seen: [f64; 5],
+    /// The same sums over the start-up curve's points, never forgotten.
+    prior: [f64; 5],
+    max_tokens: usize,
+}
+
+/// Weight kept per step by older observations (about 30 steps' memory).
+const FORGET: f64 = 0.97;
+/// Total weight of the start-up curve, in steps.
+const PRIOR_WEIGHT: f64 = 2.0;
+
+impl LiveCosts {
+    /// Seeded with `start` at 1..=8 tokens (or its length), the sizes trees mostly take.
+    pub fn new(start: &CostCurve) -> Self {
+        let n = start.max_tokens().clamp(1, 8);
+        let mut prior = [0.0; 5];
+        for t in 1..=n {
+            add(&mut prior, PRIOR_WEIGHT / n as f64, t as f64, start.at(t));
+        }
+        LiveCosts { seen: [0.0; 5], prior, max_tokens: start.max_tokens() }
+    }
+
+    /// A verification forward over `tokens` rows took `ms` (logits included).
+    pub fn observe(&mut self, tokens: usize, ms: f64) {
+        if !(ms.is_finite() && ms > 0.0) || tokens == 0 {
+            return;
+        }
+        for v in self.seen.iter_mut() {
+            *v *= FORGET;
+        }
+        add(&mut self.seen, 1.0, tokens as f64, ms);
+    }
+
+    /// The fitted line as a cost curve (cost(1) above zero, costs never falling).
+    pub fn curve(&self) -> CostCurve {
+        let [w, wt, wtt, wy, wty]: [f64; 5] = std::array::from_fn(|i| self.seen[i] + self.prior[i]);
+        let den = w * wtt - wt * wt;
+        let slope = if den > 1e-9 { ((w * wty - wt * wy) / den).max(0.0) } else { 0.0 };
+        let base = ((wy - slope * wt) / w + slope).max(1e-3);
+        let last = self.max_tokens.max(1);
+        CostCurve::from_points(&[(1, base), (last, base + slope * (last - 1) as f64)], last).expect("a positive cost at T = 1")
+    }
+}
+
+fn add(sums: &mut [f64; 5], w: f64, t: f64, ms: f64) {
+    sums[0] += w;
+    sums[1] += w * t;
+    sums[2] += w * t * t;
+    sums[3] += w * ms;
+    sums[4] += w * t * ms;
 }
 
 /// Running correction of the drafter's probabilities: accepted nodes / predicted acceptances,
@@ -326,11 +397,47 @@ mod tests {
     }
 
     #[test]
+    fn live_costs_follow_the_run_and_keep_the_start_up_slope_when_blind() {
+        let start = CostCurve::from_points(&[(1, 17.0), (4, 21.0), (8, 27.0)], 22).unwrap();
+        let fresh = LiveCosts::new(&start).curve();
+        assert_eq!(fresh.max_tokens(), 22);
+        assert!((fresh.at(1) - 17.0).abs() < 1.0 && (fresh.at(8) - 27.0).abs() < 1.0, "{fresh:?}");
+        // The machine's memory gets faster: one token 12.5 ms, eight still 27.
+        let mut live = LiveCosts::new(&start);
+        for step in 0..60 {
+            let t = [1, 3, 5, 8][step % 4];
+            live.observe(t, 12.5 + (t - 1) as f64 * 14.5 / 7.0);
+        }
+        let c = live.curve();
+        assert!((c.at(1) - 12.5).abs() < 0.6 && (c.at(8) - 27.0).abs() < 0.6, "{c:?}");
+        assert!(c.affordable(AFFORDABLE_COST) < fresh.affordable(AFFORDABLE_COST), "steeper now: smaller trees");
+        // Steps of one size only: their level moves, the slope stays near the start-up one.
+        let mut blind = LiveCosts::new(&start);
+        for _ in 0..200 {
+            blind.observe(4, 19.0);
+        }
+        let b = blind.curve();
+        assert!((b.at(4) - 19.0).abs() < 0.25, "{b:?}");
+        let (slope, start_slope) = ((b.at(8) - b.at(1)) / 7.0, (fresh.at(8) - fresh.at(1)) / 7.0);
+        assert!((slope / start_slope - 1.0).abs() < 0.2, "slope {slope} against {start_slope} at start-up");
+        // Junk times are ignored, and a falling fit is clamped flat.
+        blind.observe(3, f64::NAN);
+        blind.observe(0, 5.0);
+        assert_eq!(blind.curve(), b);
+        let mut falling = LiveCosts::new(&start);
+        for step in 0..100 {
+            falling.observe(1 + step % 2 * 7, if step % 2 == 0 { 30.0 } else { 10.0 });
+        }
+        let f = falling.curve();
+        assert!(f.at(8) >= f.at(1) && f.at(1) > 0.0, "{f:?}");
+    }
+
+    #[test]
     fn bare_auto_fits_its_growth_to_the_cost_curve() {
         let cpu = CostCurve::from_points(&[(1, 10.0), (2, 11.0), (4, 14.0), (8, 20.0)], 24).unwrap();
         assert_eq!(cpu.affordable(1.5), 4, "cost(5) = 15.5 > 1.5 x 10");
         let fitted = Budget { max_nodes: 16, costs: None, fit_to_device: true }.with_measured(cpu.clone());
-        assert_eq!((fitted.max_nodes, fitted.fit_to_device), (4, false));
+        assert_eq!((fitted.max_nodes, fitted.fit_to_device), (4, true), "fitted, and refitted as a run goes");
         let explicit = Budget { max_nodes: 16, costs: None, fit_to_device: false }.with_measured(cpu);
         assert_eq!(explicit.max_nodes, 16, "auto:N keeps N");
         let flat = CostCurve::from_points(&[(1, 10.0), (64, 11.0)], 80).unwrap();

@@ -190,7 +190,7 @@ pub fn evaluate(target: &Target, drafter: &Drafter, prompts: &[PromptItem], opts
         .map(|(name, p)| {
             let tree = p.tree.clone().with_costs(&target.model, p.lookup.map_or(0, |l| l.max_tokens))?;
             if let (TreeChoice::Auto(b), TreeChoice::Auto(Budget { fit_to_device: true, .. })) = (&tree, &p.tree) {
-                eprintln!("{name}: grows up to {} nodes here (forward cost within {AFFORDABLE_COST}x one token's)", b.max_nodes);
+                eprintln!("{name}: grows up to {} nodes here at start (forward cost within {AFFORDABLE_COST}x one token's; refitted per step to the forward times the run observes)", b.max_nodes);
             }
             Ok(Plan { tree, lookup: p.lookup })
         })

@@ -3,7 +3,7 @@
 //! compacted to the accepted path.
 use std::time::Instant;
 
-use crate::budget::{Budget, Calibration, CostCurve, Draft};
+use crate::budget::{Budget, Calibration, CostCurve, Draft, LiveCosts, AFFORDABLE_COST, AUTO_NODES};
 
 use crate::generate::{check_budget, prefill, GenStats, StopRule};
 use crate::datastore::Datastore;
@@ -30,7 +30,7 @@ impl TreeChoice {
     /// `cpu`, `gpu`, `chain`, `chain:N`, `dynamic`, `dynamic:N`, `auto`, `auto:N`, or a tree file.
     pub fn parse(spec: &str) -> Result<Self> {
         if spec == "auto" {
-            return Ok(TreeChoice::Auto(Budget { max_nodes: 16, costs: None, fit_to_device: true }));
+            return Ok(TreeChoice::Auto(Budget { max_nodes: AUTO_NODES, costs: None, fit_to_device: true }));
         }
         if let Some(n) = spec.strip_prefix("auto:") {
             let n: usize = n.parse().map_err(|_| Error::InvalidTree(format!("bad node count in '{spec}'")))?;
@@ -173,9 +173,9 @@ pub fn generate_spec(
 ) -> Result<(Vec<u32>, SpecStats)> {
     opts.params.validate()?;
     opts.tree.validate_for(drafter)?;
-    let costs = match opts.tree.clone().with_costs(model, opts.lookup.map_or(0, |l| l.max_tokens))? {
-        TreeChoice::Auto(b) => b.costs,
-        _ => None,
+    let (mut live, refit) = match opts.tree.clone().with_costs(model, opts.lookup.map_or(0, |l| l.max_tokens))? {
+        TreeChoice::Auto(b) => (b.costs.as_deref().map(LiveCosts::new), b.fit_to_device),
+        _ => (None, false),
     };
     let mut calib = Calibration::default();
     // Draft-layer levels run so far (a drafted tree of depth d took d - 1), to price one more.
@@ -204,8 +204,17 @@ pub fn generate_spec(
         let committed = cache.len();
         let root = *out.last().unwrap();
         let t_step = Instant::now();
+        let costs = live.as_ref().map(LiveCosts::curve);
         let min_expand = costs.as_ref().map_or(0.0, |c| expansion_floor(c, &stats, levels, out.len()) / calib.drafter_factor());
-        let proposal = state.propose(model, root, &opts.tree, ACC_K, max_pos - committed, min_expand)?;
+        let refitted;
+        let choice = match &costs {
+            Some(c) if refit => {
+                refitted = TreeChoice::Auto(Budget { max_nodes: c.affordable(AFFORDABLE_COST).clamp(2, AUTO_NODES), costs: None, fit_to_device: true });
+                &refitted
+            }
+            _ => &opts.tree,
+        };
+        let proposal = state.propose(model, root, choice, ACC_K, max_pos - committed, min_expand)?;
         levels += proposal.tree.depth().saturating_sub(1);
         drafts.push((out.len() - 1, proposal.guesses));
         let (mut tree, mut tokens) = (proposal.tree, proposal.tokens);
@@ -229,6 +238,9 @@ pub fn generate_spec(
         let hidden = model.forward(tokens, &tree.positions(committed), &tree.mask(), &mut cache)?;
         let all_logits = model.logits(&hidden)?;
         let t_verify = Instant::now();
+        if let Some(live) = live.as_mut() {
+            live.observe(tree.len(), (t_verify - t_fwd).as_secs_f64() * 1e3);
+        }
         let verdict = verify(tree, tokens, &history, &opts.params, opts.rule, rng, &mut |i| row_to_vec(&all_logits, i))?;
         let t_commit = Instant::now();
         let slots: Vec<usize> = verdict.accepted.iter().map(|&a| committed + a).collect();
