@@ -759,13 +759,13 @@ pub(crate) mod avx2_packed {
         }
     }
 
-    /// Whether tiles of this element type prefetch their panels a slice ahead into L2 (the
-    /// first tile of each slice, or a lone tile of 2-6 rows). f16 ones do: widening slows the
-    /// loads that the hardware prefetcher follows. f32 ones leave the stream to the hardware.
-    /// Interleaved A/B on the 2-core Zen 3 (`selfspec bench`, 3-4 rounds each): f16 4-, 8- and
-    /// 16-token forwards 14.2 -> 12.4, 21.9 -> 19.4 and 42.3 -> 34.8 ms; f32 ones within the
-    /// noise either way (8 tokens 31.0 -> 28.2-29.2 in one run, 29.9 -> 31.4 in the next); one
-    /// row slower in both formats (f16 8.4 -> 9.7 ms), so one-row tiles never prefetch.
+    /// Whether a lone tile of 2-6 rows of this element type prefetches its panels a slice ahead
+    /// into L2. f16 ones do: widening slows the loads that the hardware prefetcher follows.
+    /// f32 ones leave the stream to the hardware. Interleaved A/B on the 2-core Zen 3
+    /// (`selfspec bench`, 3-5 rounds each): f16 4-token forwards 14.2 -> 12.4 ms; f32 4-token
+    /// ones 23.4 -> 22.9 in one run and 21.4 -> 24.7 in the next; one row slower in both formats
+    /// (f16 8.4 -> 9.7 ms), so one-row tiles never prefetch. The first tile of a slice (7 rows
+    /// or more) prefetches in both formats: see [`slice_tile`].
     #[inline(always)]
     fn prefetches<E: Elem>() -> bool {
         std::mem::size_of::<E>() == 2
@@ -782,11 +782,14 @@ pub(crate) mod avx2_packed {
     }
 
     /// One tile of a slice; the first of each slice fetches the next one while the others work
-    /// from L1.
+    /// from L1, so the memory bus is not idle meanwhile. Interleaved A/B on the 2-core Zen 3
+    /// (`selfspec bench`, 5 rounds each): f32 8-token forwards 29.9 -> 27.3 and 28.4 -> 26.2 ms,
+    /// 16 tokens 42.6 -> 39.5 ms (two earlier 3-4-round runs: 31.0 -> 28.2-29.2 and 29.9 ->
+    /// 31.4); f16 8 and 16 tokens 21.9 -> 19.4 and 42.3 -> 34.8 ms.
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
     unsafe fn slice_tile<E: Elem, const MR: usize>(first: bool, x: *const f32, k: usize, w: *const E, i0: usize, p: usize, n: usize, out: OutPtr, k0: usize, k1: usize) {
-        if first && prefetches::<E>() {
+        if first {
             tile::<E, MR, 1, true>(x, k, w, i0, p, n, out, k0, k1, K_SLICE)
         } else {
             tile::<E, MR, 1, false>(x, k, w, i0, p, n, out, k0, k1, 0)
