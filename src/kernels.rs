@@ -744,41 +744,41 @@ pub(crate) mod avx2_packed {
     }
 
     /// Up to 6 rows in one tile over all inputs, `NR` panels at a time (the last ones alone),
-    /// prefetching one slice ahead when `PREFETCH`.
+    /// prefetching `ahead` inputs on when `PREFETCH`.
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn one_pass<E: Elem, const MR: usize, const NR: usize, const PREFETCH: bool>(x: *const f32, k: usize, w: *const E, p0: usize, p1: usize, n: usize, out: OutPtr) {
+    unsafe fn one_pass<E: Elem, const MR: usize, const NR: usize, const PREFETCH: bool>(x: *const f32, k: usize, w: *const E, p0: usize, p1: usize, n: usize, out: OutPtr, ahead: usize) {
         let mut p = p0;
         while p + NR <= p1 {
-            tile::<E, MR, NR, PREFETCH>(x, k, w, 0, p, n, out, 0, k, K_SLICE);
+            tile::<E, MR, NR, PREFETCH>(x, k, w, 0, p, n, out, 0, k, ahead);
             p += NR;
         }
         while p < p1 {
-            tile::<E, MR, 1, PREFETCH>(x, k, w, 0, p, n, out, 0, k, K_SLICE);
+            tile::<E, MR, 1, PREFETCH>(x, k, w, 0, p, n, out, 0, k, ahead);
             p += 1;
         }
     }
 
-    /// Whether a lone tile of 2-6 rows of this element type prefetches its panels a slice ahead
-    /// into L2. f16 ones do: widening slows the loads that the hardware prefetcher follows.
-    /// f32 ones leave the stream to the hardware. Interleaved A/B on the 2-core Zen 3
-    /// (`selfspec bench`, 3-5 rounds each): f16 4-token forwards 14.2 -> 12.4 ms; f32 4-token
-    /// ones 23.4 -> 22.9 in one run and 21.4 -> 24.7 in the next; one row slower in both formats
-    /// (f16 8.4 -> 9.7 ms), so one-row tiles never prefetch. The first tile of a slice (7 rows
-    /// or more) prefetches in both formats: see [`slice_tile`].
+    /// How far ahead (in inputs) a lone tile of 2-6 rows prefetches its panels into L2: about
+    /// 1-2 KB of each panel's stream. Interleaved A/B on the 2-core Zen 3 (`selfspec bench`, 5-6
+    /// rounds each): f16 4-token forwards 14.2 -> 12.4 ms with 64 inputs ahead, and 16 was 5-15%
+    /// slower than 64; f32 2-, 3-, 4- and 6-token forwards 17.7 -> 17.0, 18.8 -> 17.3, 21.0 ->
+    /// 20.2 and 23.5 -> 21.1 ms with 16 ahead (a second run agreed, -5 to -8%), while 64 ahead
+    /// was no faster than none. One-row tiles never prefetch: slower in both formats (f16 8.4
+    /// -> 9.7 ms). The first tile of a slice (7 rows or more) prefetches too: see [`slice_tile`].
     #[inline(always)]
-    fn prefetches<E: Elem>() -> bool {
-        std::mem::size_of::<E>() == 2
+    fn few_rows_ahead<E: Elem>() -> usize {
+        if std::mem::size_of::<E>() == 2 {
+            K_SLICE
+        } else {
+            16
+        }
     }
 
     /// 2-6 rows in one tile over all inputs.
     #[inline(always)]
     unsafe fn few_rows<E: Elem, const MR: usize, const NR: usize>(x: *const f32, k: usize, w: *const E, p0: usize, p1: usize, n: usize, out: OutPtr) {
-        if prefetches::<E>() {
-            one_pass::<E, MR, NR, true>(x, k, w, p0, p1, n, out)
-        } else {
-            one_pass::<E, MR, NR, false>(x, k, w, p0, p1, n, out)
-        }
+        one_pass::<E, MR, NR, true>(x, k, w, p0, p1, n, out, few_rows_ahead::<E>())
     }
 
     /// One tile of a slice; the first of each slice fetches the next one while the others work
@@ -807,7 +807,7 @@ pub(crate) mod avx2_packed {
         let xp = x.as_ptr();
         match m {
             0 => return,
-            1 => return one_pass::<E, 1, 4, false>(xp, k, w, p0, p1, n, out),
+            1 => return one_pass::<E, 1, 4, false>(xp, k, w, p0, p1, n, out, 0),
             2 => return few_rows::<E, 2, 2>(xp, k, w, p0, p1, n, out),
             3 => return few_rows::<E, 3, 2>(xp, k, w, p0, p1, n, out),
             4 => return few_rows::<E, 4, 1>(xp, k, w, p0, p1, n, out),
