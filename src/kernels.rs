@@ -466,6 +466,33 @@ fn packed_block(x: &[f32], m: usize, pw: &PackedWeight, p0: usize, p1: usize, ou
     }
 }
 
+/// The input ranges of a tile over `k0..k1` that prefetches `ahead` inputs on, each with the
+/// offset its prefetches add. From input `wrap` on, a panel's stream runs past its end, and
+/// the prefetches go to the next tile's panels instead: panel `p0 + NR + jj` at input
+/// `kk + ahead - k` lies `(NR - 1) * panel_len` elements after where panel `p0 + jj` would
+/// continue. Two loops, each with a fixed offset, keep the address arithmetic out of the inner
+/// loop (a select and a multiply per input were a third of the instructions of a 6 x 4 tile,
+/// more than the front end could issue beside the FMAs: f16 8-token forwards 12.2 -> 10.9 ms
+/// on the Xeon, interleaved A/B; f32 unchanged).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_ranges(k: usize, k0: usize, k1: usize, ahead: usize, nr: usize, panel_len: usize) -> [(usize, usize, usize); 2] {
+    let wrap = k.saturating_sub(ahead).clamp(k0, k1);
+    [(k0, wrap, 0), (wrap, k1, (nr - 1) * panel_len)]
+}
+
+/// Prefetch into L2, for input `kk`, the weights `ahead` inputs on in each of `nr` panels from
+/// `wb` (plus `beyond`, see [`prefetch_ranges`]).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn prefetch_panels<E>(wb: *const E, kk: usize, ahead: usize, beyond: usize, nr: usize, panel_len: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+    let pf = wb.wrapping_add((kk + ahead) * PANEL + beyond);
+    for jj in 0..nr {
+        _mm_prefetch::<_MM_HINT_T1>(pf.wrapping_add(jj * panel_len) as *const i8);
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512_packed {
     use super::{Elem, OutPtr, PackedWeight, PANEL};
@@ -483,22 +510,11 @@ pub(crate) mod avx512_packed {
             load_tile(&mut acc, i0, p0, n, out);
         }
         let panel_len = k * PANEL;
-        // Prefetches go to the same panels `ahead` inputs on; from input `wrap` on, that is past
-        // their end, and they go to the next tile's panels instead: panel `p0 + NR + jj` at
-        // input `kk + ahead - k`, which lies `(NR - 1) * panel_len` elements after where panel
-        // `p0 + jj` would continue. Two loops, each with a fixed offset, keep the address
-        // arithmetic out of the inner loop (a select and a multiply per input were a third of
-        // the instructions of a 6 x 4 tile, more than the front end could issue beside the
-        // FMAs: f16 8-token forwards 12.2 -> 10.9 ms, interleaved A/B; f32 unchanged).
-        let wrap = k.saturating_sub(ahead).clamp(k0, k1);
         let (wb, xb) = (w.add(p0 * panel_len), x.add(i0 * k));
-        for (from, to, beyond) in [(k0, wrap, 0), (wrap, k1, (NR - 1) * panel_len)] {
+        for (from, to, beyond) in super::prefetch_ranges(k, k0, k1, ahead, NR, panel_len) {
             for kk in from..to {
                 if PREFETCH {
-                    let pf = wb.wrapping_add((kk + ahead) * PANEL + beyond);
-                    for jj in 0..NR {
-                        _mm_prefetch::<_MM_HINT_T1>(pf.wrapping_add(jj * panel_len) as *const i8);
-                    }
+                    super::prefetch_panels(wb, kk, ahead, beyond, NR, panel_len);
                 }
                 let mut wv = [_mm512_setzero_ps(); NR];
                 for (jj, wv) in wv.iter_mut().enumerate() {
@@ -702,14 +718,10 @@ pub(crate) mod avx2_packed {
         }
         let panel_len = k * PANEL;
         let (wb, xb) = (w.add(p0 * panel_len), x.add(i0 * k));
-        let wrap = k.saturating_sub(ahead).clamp(k0, k1);
-        for (from, to, beyond) in [(k0, wrap, 0), (wrap, k1, (NR - 1) * panel_len)] {
+        for (from, to, beyond) in super::prefetch_ranges(k, k0, k1, ahead, NR, panel_len) {
             for kk in from..to {
                 if PREFETCH {
-                    let pf = wb.wrapping_add((kk + ahead) * PANEL + beyond);
-                    for jj in 0..NR {
-                        _mm_prefetch::<_MM_HINT_T1>(pf.wrapping_add(jj * panel_len) as *const i8);
-                    }
+                    super::prefetch_panels(wb, kk, ahead, beyond, NR, panel_len);
                 }
                 let mut wv = [[_mm256_setzero_ps(); 2]; NR];
                 for (jj, wv) in wv.iter_mut().enumerate() {
