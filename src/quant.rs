@@ -900,13 +900,19 @@ mod avx2_quant {
     /// How far ahead (in blocks of one panel) the weight stream is prefetched into L2.
     const PREFETCH_BLOCKS: usize = 16;
 
-    /// `MR` rows x half `H` of panel `p` (its columns `8H..8H + 8`). Why half a panel: a
-    /// tile's 16-bit and float accumulators then take 2 * MR registers, so 4 rows fit AVX2's 16
-    /// with the codes and activations. Whole-panel tiles spilled to the stack in every block:
-    /// `examples/kbench`, 1536 x 576 Q4_1 streamed, 8 rows 0.074 -> 0.058 ms, 16 rows 0.149 ->
-    /// 0.110 ms on a 2-core Zen 3.
+    /// The 8-column halves of a panel, one register each.
+    const HALVES: usize = PANEL / 8;
+
+    /// `MR` rows x panel `p` (16 columns, as two 8-column halves: each 16-bit and float
+    /// accumulator register holds one half). A tile of 4 rows then needs 16 accumulators, more
+    /// registers than AVX2 has beside the codes, yet broadcasting each activation once for both
+    /// halves beats half-panel tiles that fit the registers. Interleaved A/B on a 2-core Zen 3
+    /// (`selfspec bench`, 4-5 rounds, three runs): native 1-, 2-, 4-, 8- and 16-token forwards
+    /// 5.03 -> 4.57, 5.83 -> 4.88, 7.21 -> 6.38, 12.7 -> 11.3 and 24.2 -> 21.4 ms; q8_0 8 and 16
+    /// tokens 16.5 -> 13.8 and 31.1 -> 26.6 ms. The nineteenth session had chosen half-panel
+    /// tiles from single `kbench` runs on a noisier machine.
     #[inline(always)]
-    unsafe fn tile<const MR: usize, const B4: bool, const OFS: bool>(a: &QuantActs, w: &PackedQuant, i0: usize, p: usize, h: usize, out: OutPtr) {
+    unsafe fn tile<const MR: usize, const B4: bool, const OFS: bool>(a: &QuantActs, w: &PackedQuant, i0: usize, p: usize, out: OutPtr) {
         let (k, n) = (w.k, w.n);
         let nb = k / QK;
         let stride = PackedQuant::stride(B4, OFS);
@@ -916,96 +922,110 @@ mod avx2_quant {
         let low = _mm256_set1_epi8(0x0f);
         let ones = _mm256_set1_epi16(1);
         let flip = _mm256_set1_epi8(-128);
-        let mut acc = [_mm256_setzero_ps(); MR];
+        let mut acc = [[_mm256_setzero_ps(); HALVES]; MR];
         for b in 0..nb {
             let blk = w.data.as_ptr().add((p * nb + b) * stride);
-            if h == 0 {
-                let far = blk.wrapping_add(stride * PREFETCH_BLOCKS);
-                let mut o = 0;
-                while o < stride {
-                    _mm_prefetch::<_MM_HINT_T1>(far.wrapping_add(o) as *const i8);
-                    o += 64;
-                }
+            let far = blk.wrapping_add(stride * PREFETCH_BLOCKS);
+            let mut o = 0;
+            while o < stride {
+                _mm_prefetch::<_MM_HINT_T1>(far.wrapping_add(o) as *const i8);
+                o += 64;
             }
-            let mut isum = [_mm256_setzero_si256(); MR];
+            let mut isum = [[_mm256_setzero_si256(); HALVES]; MR];
             if B4 {
-                let mut s16 = [_mm256_setzero_si256(); MR];
+                let mut s16 = [[_mm256_setzero_si256(); HALVES]; MR];
                 for g in 0..4 {
-                    let raw = _mm256_loadu_si256(blk.add(g * 64 + h * 32) as *const __m256i);
-                    let lo = _mm256_and_si256(raw, low);
-                    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), low);
+                    let mut lo = [_mm256_setzero_si256(); HALVES];
+                    let mut hi = [_mm256_setzero_si256(); HALVES];
+                    for j in 0..HALVES {
+                        let raw = _mm256_loadu_si256(blk.add(g * 64 + j * 32) as *const __m256i);
+                        lo[j] = _mm256_and_si256(raw, low);
+                        hi[j] = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), low);
+                    }
                     for (ii, s) in s16.iter_mut().enumerate() {
                         let row = xq.add((i0 + ii) * k + b * QK);
                         let xl = _mm256_set1_epi32((row.add(4 * g) as *const i32).read_unaligned());
                         let xh = _mm256_set1_epi32((row.add(16 + 4 * g) as *const i32).read_unaligned());
-                        *s = _mm256_add_epi16(*s, _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)));
+                        for j in 0..HALVES {
+                            s[j] = _mm256_add_epi16(s[j], _mm256_add_epi16(_mm256_maddubs_epi16(lo[j], xl), _mm256_maddubs_epi16(hi[j], xh)));
+                        }
                     }
                 }
                 for (is, s) in isum.iter_mut().zip(&s16) {
-                    *is = _mm256_madd_epi16(*s, ones);
+                    for j in 0..HALVES {
+                        is[j] = _mm256_madd_epi16(s[j], ones);
+                    }
                 }
             } else {
                 for g in 0..8 {
                     // code - 128 as a signed byte, its size, and the activation carrying its sign.
-                    let signed = _mm256_xor_si256(_mm256_loadu_si256(blk.add(g * 64 + h * 32) as *const __m256i), flip);
-                    let size = _mm256_abs_epi8(signed);
+                    let mut signed = [_mm256_setzero_si256(); HALVES];
+                    let mut size = [_mm256_setzero_si256(); HALVES];
+                    for j in 0..HALVES {
+                        signed[j] = _mm256_xor_si256(_mm256_loadu_si256(blk.add(g * 64 + j * 32) as *const __m256i), flip);
+                        size[j] = _mm256_abs_epi8(signed[j]);
+                    }
                     for (ii, is) in isum.iter_mut().enumerate() {
                         let row = xq.add((i0 + ii) * k + b * QK);
                         let x = _mm256_set1_epi32((row.add(4 * g) as *const i32).read_unaligned());
-                        let pairs = _mm256_maddubs_epi16(size, _mm256_sign_epi8(x, signed));
-                        *is = _mm256_add_epi32(*is, _mm256_madd_epi16(pairs, ones));
+                        for j in 0..HALVES {
+                            let pairs = _mm256_maddubs_epi16(size[j], _mm256_sign_epi8(x, signed[j]));
+                            is[j] = _mm256_add_epi32(is[j], _mm256_madd_epi16(pairs, ones));
+                        }
                     }
                 }
             }
-            let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(codes + h * 16) as *const __m128i));
-            let mw = if OFS { _mm256_cvtph_ps(_mm_loadu_si128(blk.add(codes + 32 + h * 16) as *const __m128i)) } else { dw };
-            for ii in 0..MR {
-                let dx = *a.d.get_unchecked((i0 + ii) * nb + b);
-                let sx = *a.sum.get_unchecked((i0 + ii) * nb + b);
-                let scale = _mm256_mul_ps(dw, _mm256_set1_ps(dx));
-                // The sum over the codes themselves, as `vpdpbusd` gives it (8-bit codes were
-                // summed as code - 128); every step here is exact integer arithmetic.
-                let raw = if B4 { isum[ii] } else { _mm256_add_epi32(isum[ii], _mm256_set1_epi32(128 * sx)) };
-                if OFS {
-                    acc[ii] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(raw), scale, acc[ii]);
-                    acc[ii] = _mm256_fmadd_ps(mw, _mm256_set1_ps(*a.dsum.get_unchecked((i0 + ii) * nb + b)), acc[ii]);
-                } else {
-                    let centred = _mm256_sub_epi32(raw, _mm256_set1_epi32(zero * sx));
-                    acc[ii] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), scale, acc[ii]);
+            for j in 0..HALVES {
+                let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(codes + j * 16) as *const __m128i));
+                let mw = if OFS { _mm256_cvtph_ps(_mm_loadu_si128(blk.add(codes + 32 + j * 16) as *const __m128i)) } else { dw };
+                for ii in 0..MR {
+                    let dx = *a.d.get_unchecked((i0 + ii) * nb + b);
+                    let sx = *a.sum.get_unchecked((i0 + ii) * nb + b);
+                    let scale = _mm256_mul_ps(dw, _mm256_set1_ps(dx));
+                    // The sum over the codes themselves, as `vpdpbusd` gives it (8-bit codes were
+                    // summed as code - 128); every step here is exact integer arithmetic.
+                    let raw = if B4 { isum[ii][j] } else { _mm256_add_epi32(isum[ii][j], _mm256_set1_epi32(128 * sx)) };
+                    if OFS {
+                        acc[ii][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(raw), scale, acc[ii][j]);
+                        acc[ii][j] = _mm256_fmadd_ps(mw, _mm256_set1_ps(*a.dsum.get_unchecked((i0 + ii) * nb + b)), acc[ii][j]);
+                    } else {
+                        let centred = _mm256_sub_epi32(raw, _mm256_set1_epi32(zero * sx));
+                        acc[ii][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), scale, acc[ii][j]);
+                    }
                 }
             }
         }
-        let col = p * PANEL + h * 8;
-        let live = n.saturating_sub(col).min(8);
-        for (ii, v) in acc.iter().enumerate() {
-            let dst = out.0.add((i0 + ii) * n + col);
-            if live == 8 {
-                _mm256_storeu_ps(dst, *v);
-            } else {
-                let mut buf = [0f32; 8];
-                _mm256_storeu_ps(buf.as_mut_ptr(), *v);
-                std::ptr::copy_nonoverlapping(buf.as_ptr(), dst, live);
+        for j in 0..HALVES {
+            let col = p * PANEL + j * 8;
+            let live = n.saturating_sub(col).min(8);
+            for (ii, v) in acc.iter().enumerate() {
+                let dst = out.0.add((i0 + ii) * n + col);
+                if live == 8 {
+                    _mm256_storeu_ps(dst, v[j]);
+                } else if live > 0 {
+                    let mut buf = [0f32; 8];
+                    _mm256_storeu_ps(buf.as_mut_ptr(), v[j]);
+                    std::ptr::copy_nonoverlapping(buf.as_ptr(), dst, live);
+                }
             }
         }
     }
 
+    /// All rows of panel `p`, in as few tiles of at most 4 rows as that allows, their sizes as
+    /// even as possible.
     #[inline(always)]
     unsafe fn panel<const B4: bool, const OFS: bool>(a: &QuantActs, m: usize, w: &PackedQuant, p: usize, out: OutPtr) {
-        for h in 0..2 {
-            if p * PANEL + h * 8 >= w.n {
-                break;
+        let tiles = m.div_ceil(4);
+        let mut i = 0;
+        for t in 0..tiles {
+            let rows = (m - i).div_ceil(tiles - t);
+            match rows {
+                4 => tile::<4, B4, OFS>(a, w, i, p, out),
+                3 => tile::<3, B4, OFS>(a, w, i, p, out),
+                2 => tile::<2, B4, OFS>(a, w, i, p, out),
+                _ => tile::<1, B4, OFS>(a, w, i, p, out),
             }
-            let mut i = 0;
-            while i + 4 <= m {
-                tile::<4, B4, OFS>(a, w, i, p, h, out);
-                i += 4;
-            }
-            match m - i {
-                3 => tile::<3, B4, OFS>(a, w, i, p, h, out),
-                2 => tile::<2, B4, OFS>(a, w, i, p, h, out),
-                1 => tile::<1, B4, OFS>(a, w, i, p, h, out),
-                _ => {}
-            }
+            i += rows;
         }
     }
 
