@@ -299,17 +299,20 @@ mod tests {
         assert_eq!(n.load(Ordering::Relaxed), 64);
     }
 
+    /// 16 tasks of which task 3 panics; the others count themselves in `finished`.
+    fn sixteen_tasks_with_one_failing(finished: &AtomicU32) {
+        run(16, &|i| {
+            if i == 3 {
+                panic!("task 3 fails on purpose");
+            }
+            finished.fetch_add(1, Ordering::Relaxed);
+        })
+    }
+
     #[test]
     fn a_panicking_task_is_reraised_after_the_others_finish() {
         let finished = AtomicU32::new(0);
-        let r = catch_unwind(AssertUnwindSafe(|| {
-            run(16, &|i| {
-                if i == 3 {
-                    panic!("task 3 fails on purpose");
-                }
-                finished.fetch_add(1, Ordering::Relaxed);
-            })
-        }));
+        let r = catch_unwind(AssertUnwindSafe(|| sixteen_tasks_with_one_failing(&finished)));
         assert!(r.is_err());
         assert_eq!(finished.load(Ordering::Relaxed), 15);
         // The team still works afterwards.
@@ -328,12 +331,7 @@ mod tests {
         let r = catch_unwind(AssertUnwindSafe(|| {
             run(2, &|outer| {
                 if outer == 0 {
-                    run(16, &|i| {
-                        if i == 3 {
-                            panic!("task 3 fails on purpose");
-                        }
-                        finished.fetch_add(1, Ordering::Relaxed);
-                    })
+                    sixteen_tasks_with_one_failing(&finished)
                 }
             })
         }));
