@@ -24,6 +24,7 @@ pub mod loader;
 pub mod lookup;
 pub mod model;
 pub mod quant;
+pub mod roofline;
 pub mod sampling;
 pub mod spec;
 pub mod team;

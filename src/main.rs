@@ -349,6 +349,11 @@ enum Command {
         reps: usize,
         #[arg(long)]
         json: bool,
+        /// Also measure this machine's read bandwidth and arithmetic peaks (about a second and
+        /// 1 GiB of memory) and print each forward's floor, max(weight bytes / bandwidth,
+        /// T x multiply-adds / peak): how flat a cost curve this hardware allows at all
+        #[arg(long)]
+        roofline: bool,
     },
 }
 
@@ -774,7 +779,7 @@ fn run(cli: Cli) -> Result<()> {
                 }
             }
         }
-        Command::Bench { model, context, tokens, reps, json } => {
+        Command::Bench { model, context, tokens, reps, json, roofline } => {
             if tokens.is_empty() || tokens.contains(&0) {
                 bail!("--tokens needs positive counts");
             }
@@ -784,24 +789,55 @@ fn run(cli: Cli) -> Result<()> {
                 None if target.model.device().is_cpu() => WeightFormat::ALL.to_vec(),
                 None => vec![WeightFormat::F32],
             };
+            if roofline && !target.model.device().is_cpu() {
+                bail!("--roofline measures the CPU; on {} it would say nothing about the forward", model.device);
+            }
+            let roof = roofline.then(selfspec::roofline::Roofline::measure);
+            if let (Some(r), false) = (&roof, json) {
+                println!(
+                    "roofline ({} threads, {}): read {:.1} GB/s, f32 {:.0} GMAC/s, int8 {:.0} GMAC/s (best of a few runs; floors below assume reads and arithmetic overlap perfectly)",
+                    r.threads,
+                    r.isa,
+                    r.read_bytes_per_s / 1e9,
+                    r.f32_macs_per_s / 1e9,
+                    r.int8_macs_per_s / 1e9
+                );
+            }
+            let macs = target.model.config().matmul_macs_per_token();
             let mut all = Vec::new();
             for f in formats {
                 target.set_weights(f)?;
                 let rows = selfspec::bench::bench_forward(&target.model, context, &tokens, reps.max(1)).context("benchmark failed")?;
                 let bytes = target.model.weight_bytes_per_forward();
-                all.push(serde_json::json!({"weights": f.name(), "weight_bytes": bytes, "rows": rows}));
+                let floors: Option<Vec<f64>> = roof.map(|r| rows.iter().map(|row| selfspec::roofline::floor_ms(bytes, macs, row.tokens, r.read_bytes_per_s, r.macs_per_s(f))).collect());
+                all.push(serde_json::json!({"weights": f.name(), "weight_bytes": bytes, "macs_per_token": macs, "rows": rows, "floor_ms": floors, "roofline": roof}));
                 if !json {
-                    let floor = bytes as f64 / selfspec::bench::DRAM_BYTES_PER_S * 1e3;
+                    let (bw, measured) = roof.map_or((selfspec::bench::DRAM_BYTES_PER_S, ""), |r| (r.read_bytes_per_s, " measured"));
                     println!(
-                        "weights {f}: {:.0} MB read per forward (floor at 26 GB/s: {floor:.1} ms); {context}-token context, {:?} KV cache, {}{}",
+                        "weights {f}: {:.0} MB read per forward (floor at{measured} {:.1} GB/s: {:.1} ms); {context}-token context, {:?} KV cache, {}{}",
                         bytes as f64 / 1e6,
+                        bw / 1e9,
+                        bytes as f64 / bw * 1e3,
                         target.model.kv_dtype(),
                         model.device,
                         if target.model.device().is_cpu() { format!(" ({} kernels)", selfspec::kernels::cpu_kernels()) } else { String::new() }
                     );
-                    println!("{:>6} {:>10} {:>8} {:>8}", "tokens", "median ms", "ratio", "min ms");
-                    for r in &rows {
-                        println!("{:>6} {:>10.2} {:>8.2} {:>8.2}", r.tokens, r.median_ms, r.ratio, r.min_ms);
+                    match &floors {
+                        None => {
+                            println!("{:>6} {:>10} {:>8} {:>8}", "tokens", "median ms", "ratio", "min ms");
+                            for r in &rows {
+                                println!("{:>6} {:>10.2} {:>8.2} {:>8.2}", r.tokens, r.median_ms, r.ratio, r.min_ms);
+                            }
+                        }
+                        Some(fl) => {
+                            // floor ratio: the flattest curve the hardware allows (floor(T) /
+                            // floor(1)); of floor: how much of this row's time the floor is.
+                            println!("{:>6} {:>10} {:>8} {:>8} {:>9} {:>12} {:>9}", "tokens", "median ms", "ratio", "min ms", "floor ms", "floor ratio", "of floor");
+                            let f1 = selfspec::roofline::floor_ms(bytes, macs, 1, bw, roof.and_then(|r| r.macs_per_s(f)));
+                            for (r, fl) in rows.iter().zip(fl) {
+                                println!("{:>6} {:>10.2} {:>8.2} {:>8.2} {:>9.2} {:>12.2} {:>8.0}%", r.tokens, r.median_ms, r.ratio, r.min_ms, fl, fl / f1, 100.0 * fl / r.median_ms);
+                            }
+                        }
                     }
                 }
             }

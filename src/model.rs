@@ -51,6 +51,14 @@ impl Config {
         }
         Ok(())
     }
+
+    /// Multiply-adds of the weight matrices per token (attention over the context excluded):
+    /// with the weight bytes, what a forward's floor on a given machine follows from.
+    pub fn matmul_macs_per_token(&self) -> usize {
+        let (h, q, kv) = (self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim);
+        let layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size;
+        self.num_layers * layer + self.vocab_size * h
+    }
 }
 
 /// A linear layer. On the CPU it keeps a second copy of its weight in a fast-path format
@@ -808,6 +816,29 @@ pub fn softmax(x: &Tensor) -> Result<Tensor> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn matmul_macs_count_every_weight_once() {
+        // SmolLM2-135M: 134.5M parameters besides the norms (embeddings tied to the lm_head).
+        let cfg = super::Config {
+            architecture: "llama".into(),
+            vocab_size: 49152,
+            hidden_size: 576,
+            intermediate_size: 1536,
+            num_layers: 30,
+            num_heads: 9,
+            num_kv_heads: 3,
+            head_dim: 64,
+            rms_norm_eps: 1e-5,
+            rope_theta: 1e5,
+            max_position: 8192,
+            tie_embeddings: true,
+            attention_bias: false,
+            bos_token_id: Some(1),
+            eos_token_ids: vec![2],
+        };
+        assert_eq!(cfg.matmul_macs_per_token(), 134_479_872);
+    }
+
     #[test]
     fn argmax_matches_the_scalar_scan_with_ties_nans_and_signed_zeros() {
         let mut cases: Vec<Vec<f32>> = vec![vec![], vec![1.0], vec![f32::NAN, 5.0, 2.0], vec![-0.0, 0.0, -1.0], vec![0.0, -0.0], vec![f32::NEG_INFINITY; 20]];

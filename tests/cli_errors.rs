@@ -103,6 +103,18 @@ fn bad_arguments() {
     for w in ["f32", "f16", "q8_0", "native"] {
         assert!(out.contains(&format!("weights {w}:")), "bench output lacks {w}: {out}");
     }
+    // --roofline adds this machine's peaks and each row's floor, in the table and in JSON.
+    let (code, out, err) = run(&["bench", "--model", m, "--weights", "native", "--context", "8", "--tokens", "1,4", "--reps", "1", "--roofline"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("roofline (") && out.contains("GMAC/s") && out.contains("floor ratio"), "{out}");
+    let (code, out, err) = run(&["bench", "--model", m, "--weights", "f32", "--context", "8", "--tokens", "1,4", "--reps", "1", "--roofline", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    let floors = v[0]["floor_ms"].as_array().expect("floor_ms per row");
+    assert_eq!(floors.len(), 2);
+    let (f1, f4) = (floors[0].as_f64().unwrap(), floors[1].as_f64().unwrap());
+    assert!(f1 > 0.0 && f4 >= f1, "floors {f1} {f4}");
+    assert!(v[0]["roofline"]["read_bytes_per_s"].as_f64().unwrap() > 0.0);
 }
 
 #[test]
