@@ -47,7 +47,7 @@ impl Roofline {
     pub fn measure() -> Self {
         let threads = crate::team::threads();
         Roofline {
-            read_bytes_per_s: read_bandwidth(READ_BYTES, 5),
+            read_bytes_per_s: read_bandwidth(READ_BYTES, 6),
             f32_macs_per_s: f32_fma_peak(),
             int8_macs_per_s: int8_dot_peak(),
             isa: isa_name(),
@@ -98,13 +98,31 @@ pub fn read_bandwidth(bytes: usize, passes: usize) -> f64 {
         let t0 = Instant::now();
         crate::team::run(tasks, &|t| {
             let chunk = &buf[(t * per).min(words)..((t + 1) * per).min(words)];
-            sums[t].store(sum_words(chunk), std::sync::atomic::Ordering::Relaxed);
+            sums[t].store(sum_words_widest(chunk), std::sync::atomic::Ordering::Relaxed);
         });
         best = best.min(t0.elapsed().as_secs_f64());
     }
     let total: u64 = sums.iter().map(|s| s.load(std::sync::atomic::Ordering::Relaxed)).fold(0, u64::wrapping_add);
     std::hint::black_box(total);
     (words * 8) as f64 / best
+}
+
+/// [`sum_words`] compiled for AVX2 where the CPU has it: 32-byte loads read DRAM a few per cent
+/// faster than 16-byte ones on the Zen 3 (35-36 against 32 GB/s), near what the f32 forward's
+/// own one-token stream reaches.
+fn sum_words_widest(xs: &[u64]) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2")]
+        unsafe fn avx2(xs: &[u64]) -> u64 {
+            sum_words(xs)
+        }
+        if is_x86_feature_detected!("avx2") {
+            // SAFETY: AVX2 is present.
+            return unsafe { avx2(xs) };
+        }
+    }
+    sum_words(xs)
 }
 
 /// Wrapping sum in 8 lanes: integer adds may be reordered, so the compiler vectorises it, and
@@ -289,6 +307,7 @@ mod tests {
         let xs: Vec<u64> = (1..=1001).collect();
         assert_eq!(sum_words(&xs), 1001 * 1002 / 2);
         assert_eq!(sum_words(&[]), 0);
+        assert_eq!(sum_words_widest(&xs), 1001 * 1002 / 2);
     }
 
     #[test]
