@@ -792,21 +792,23 @@ fn run(cli: Cli) -> Result<()> {
             if roofline && !target.model.device().is_cpu() {
                 bail!("--roofline measures the CPU; on {} it would say nothing about the forward", model.device);
             }
-            let roof = roofline.then(selfspec::roofline::Roofline::measure);
-            if let (Some(r), false) = (&roof, json) {
-                println!(
-                    "roofline ({} threads, {}): read {:.1} GB/s, f32 {:.0} GMAC/s, int8 {:.0} GMAC/s (best of a few runs; floors below assume reads and arithmetic overlap perfectly)",
-                    r.threads,
-                    r.isa,
-                    r.read_bytes_per_s / 1e9,
-                    r.f32_macs_per_s / 1e9,
-                    r.int8_macs_per_s / 1e9
-                );
-            }
             let macs = target.model.config().matmul_macs_per_token();
             let mut all = Vec::new();
             for f in formats {
                 target.set_weights(f)?;
+                // Measured again for each format, just before its forwards: a shared host's
+                // bandwidth and arithmetic move by a quarter from one minute to the next.
+                let roof = roofline.then(selfspec::roofline::Roofline::measure);
+                if let (Some(r), false) = (&roof, json) {
+                    println!(
+                        "roofline ({} threads, {}): read {:.1} GB/s, f32 {:.0} GMAC/s, int8 {:.0} GMAC/s (best of a few runs; the floors assume reads and arithmetic overlap perfectly)",
+                        r.threads,
+                        r.isa,
+                        r.read_bytes_per_s / 1e9,
+                        r.f32_macs_per_s / 1e9,
+                        r.int8_macs_per_s / 1e9
+                    );
+                }
                 let rows = selfspec::bench::bench_forward(&target.model, context, &tokens, reps.max(1)).context("benchmark failed")?;
                 let bytes = target.model.weight_bytes_per_forward();
                 let floors: Option<Vec<f64>> = roof.map(|r| rows.iter().map(|row| selfspec::roofline::floor_ms(bytes, macs, row.tokens, r.read_bytes_per_s, r.macs_per_s(f))).collect());
