@@ -792,7 +792,6 @@ fn run(cli: Cli) -> Result<()> {
             if roofline && !target.model.device().is_cpu() {
                 bail!("--roofline measures the CPU; on {} it would say nothing about the forward", model.device);
             }
-            let macs = target.model.config().matmul_macs_per_token();
             let mut all = Vec::new();
             for f in formats {
                 target.set_weights(f)?;
@@ -801,7 +800,7 @@ fn run(cli: Cli) -> Result<()> {
                 let roof = roofline.then(selfspec::roofline::Roofline::measure);
                 if let (Some(r), false) = (&roof, json) {
                     println!(
-                        "roofline ({} threads, {}): read {:.1} GB/s, f32 {:.0} GMAC/s, int8 {:.0} GMAC/s (best of a few runs; the floors assume reads and arithmetic overlap perfectly)",
+                        "roofline ({} threads, {}): read {:.1} GB/s, f32 {:.0} GMAC/s, int8 {:.0} GMAC/s (best of a few runs; the floors count weights, KV cache and attention, and assume reads and arithmetic overlap perfectly)",
                         r.threads,
                         r.isa,
                         r.read_bytes_per_s / 1e9,
@@ -811,12 +810,16 @@ fn run(cli: Cli) -> Result<()> {
                 }
                 let rows = selfspec::bench::bench_forward(&target.model, context, &tokens, reps.max(1)).context("benchmark failed")?;
                 let bytes = target.model.weight_bytes_per_forward();
-                let floors: Option<Vec<f64>> = roof.map(|r| rows.iter().map(|row| selfspec::roofline::floor_ms(bytes, macs, row.tokens, r.read_bytes_per_s, r.macs_per_s(f))).collect());
-                all.push(serde_json::json!({"weights": f.name(), "weight_bytes": bytes, "macs_per_token": macs, "rows": rows, "floor_ms": floors, "roofline": roof}));
+                let kv_elem = target.model.kv_dtype().size_in_bytes();
+                let work = |t: usize| selfspec::roofline::ForwardWork::causal(target.model.config(), bytes, kv_elem, context, t);
+                let floor = |r: &selfspec::roofline::Roofline, t: usize| selfspec::roofline::floor_ms(&work(t), r.read_bytes_per_s, r.macs_per_s(f), r.f32_macs_per_s);
+                let floors: Option<Vec<f64>> = roof.map(|r| rows.iter().map(|row| floor(&r, row.tokens)).collect());
+                let works: Vec<_> = rows.iter().map(|row| work(row.tokens)).collect();
+                all.push(serde_json::json!({"weights": f.name(), "weight_bytes": bytes, "work": works, "rows": rows, "floor_ms": floors, "roofline": roof}));
                 if !json {
                     let (bw, measured) = roof.map_or((selfspec::bench::DRAM_BYTES_PER_S, ""), |r| (r.read_bytes_per_s, " measured"));
                     println!(
-                        "weights {f}: {:.0} MB read per forward (floor at{measured} {:.1} GB/s: {:.1} ms); {context}-token context, {:?} KV cache, {}{}",
+                        "weights {f}: {:.0} MB of weights read per forward (their floor at{measured} {:.1} GB/s: {:.1} ms); {context}-token context, {:?} KV cache, {}{}",
                         bytes as f64 / 1e6,
                         bw / 1e9,
                         bytes as f64 / bw * 1e3,
@@ -835,7 +838,7 @@ fn run(cli: Cli) -> Result<()> {
                             // floor ratio: the flattest curve the hardware allows (floor(T) /
                             // floor(1)); of floor: how much of this row's time the floor is.
                             println!("{:>6} {:>10} {:>8} {:>8} {:>9} {:>12} {:>9}", "tokens", "median ms", "ratio", "min ms", "floor ms", "floor ratio", "of floor");
-                            let f1 = selfspec::roofline::floor_ms(bytes, macs, 1, bw, roof.and_then(|r| r.macs_per_s(f)));
+                            let f1 = roof.map_or(f64::NAN, |r| floor(&r, 1));
                             for (r, fl) in rows.iter().zip(fl) {
                                 println!("{:>6} {:>10.2} {:>8.2} {:>8.2} {:>9.2} {:>12.2} {:>8.0}%", r.tokens, r.median_ms, r.ratio, r.min_ms, fl, fl / f1, 100.0 * fl / r.median_ms);
                             }

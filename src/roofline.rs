@@ -11,6 +11,7 @@
 //! threads: the least disturbed one, so the floors it gives are the most optimistic.
 use std::time::Instant;
 
+use crate::model::Config;
 use crate::quant::WeightFormat;
 
 /// Bytes the bandwidth test reads: larger than any last-level cache we have met (the Xeons
@@ -32,12 +33,39 @@ pub struct Roofline {
     pub threads: usize,
 }
 
-/// The floor of one forward over `tokens` new tokens: it reads `weight_bytes` and does `macs`
-/// multiply-adds per token, and can beat neither the read nor the arithmetic (it may overlap
-/// them perfectly, which is what the floor assumes). `None` where no arithmetic peak applies.
-pub fn floor_ms(weight_bytes: usize, macs_per_token: usize, tokens: usize, read_bytes_per_s: f64, macs_per_s: Option<f64>) -> f64 {
-    let read = weight_bytes as f64 / read_bytes_per_s;
-    let arith = macs_per_s.map_or(0.0, |p| (tokens * macs_per_token) as f64 / p);
+/// What one forward must do whatever its kernels: the bytes it reads and the multiply-adds it does.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct ForwardWork {
+    /// The weights, and the KV cache the new rows attend over.
+    pub bytes: usize,
+    /// The weight matrices' multiply-adds, in the weight format's arithmetic.
+    pub matmul_macs: usize,
+    /// Attention's query-key and probability-value multiply-adds, f32 in every format. At a
+    /// 256-token context they are 6% of SmolLM2's matmuls per row; at 2048, half.
+    pub attention_macs: usize,
+}
+
+impl ForwardWork {
+    /// A causal forward of `tokens` new tokens after `context` cached ones, with `weight_bytes`
+    /// of weights and a KV cache of `kv_elem_bytes` per value.
+    pub fn causal(cfg: &Config, weight_bytes: usize, kv_elem_bytes: usize, context: usize, tokens: usize) -> Self {
+        let kv_width = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim;
+        // New row i attends to the context and to rows 0..=i.
+        let keys = tokens * context + tokens * (tokens + 1) / 2;
+        ForwardWork {
+            bytes: weight_bytes + kv_width * (context + tokens) * kv_elem_bytes,
+            matmul_macs: tokens * cfg.matmul_macs_per_token(),
+            attention_macs: 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * keys,
+        }
+    }
+}
+
+/// The floor of a forward doing `work` on this machine, in ms: it can beat neither its read nor
+/// its arithmetic (the floor assumes it overlaps them perfectly). `weights_macs_per_s` is the
+/// weight format's peak ([`Roofline::macs_per_s`]); `None` counts no time for the matmuls.
+pub fn floor_ms(work: &ForwardWork, read_bytes_per_s: f64, weights_macs_per_s: Option<f64>, f32_macs_per_s: f64) -> f64 {
+    let read = work.bytes as f64 / read_bytes_per_s;
+    let arith = weights_macs_per_s.map_or(0.0, |p| work.matmul_macs as f64 / p) + work.attention_macs as f64 / f32_macs_per_s;
     read.max(arith) * 1e3
 }
 
@@ -296,10 +324,24 @@ mod tests {
 
     #[test]
     fn floor_is_the_slower_of_reading_and_arithmetic() {
-        // 1 GB at 10 GB/s = 100 ms; 1e9 multiply-adds per token at 1e11 per second = 10 ms each.
-        assert!((floor_ms(1_000_000_000, 1_000_000_000, 1, 1e10, Some(1e11)) - 100.0).abs() < 1e-9);
-        assert!((floor_ms(1_000_000_000, 1_000_000_000, 16, 1e10, Some(1e11)) - 160.0).abs() < 1e-9);
-        assert!((floor_ms(1_000_000_000, 1_000_000_000, 16, 1e10, None) - 100.0).abs() < 1e-9);
+        let work = |tokens: usize| ForwardWork { bytes: 1_000_000_000, matmul_macs: tokens * 1_000_000_000, attention_macs: tokens * 100_000_000 };
+        // 1 GB at 10 GB/s = 100 ms; per token 1e9 weight multiply-adds at 1e11/s = 10 ms and
+        // 1e8 attention ones at 1e10/s = 10 ms.
+        assert!((floor_ms(&work(1), 1e10, Some(1e11), 1e10) - 100.0).abs() < 1e-9);
+        assert!((floor_ms(&work(16), 1e10, Some(1e11), 1e10) - 320.0).abs() < 1e-9);
+        // No peak for the weights' arithmetic (AMX): attention alone, 160 ms.
+        assert!((floor_ms(&work(16), 1e10, None, 1e10) - 160.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn causal_work_counts_weights_cache_and_attention() {
+        let cfg = crate::fixtures::tiny_config();
+        let (l, kvw) = (cfg.num_layers, 2 * cfg.num_kv_heads * cfg.head_dim);
+        let w = ForwardWork::causal(&cfg, 1000, 2, 10, 3);
+        assert_eq!(w.bytes, 1000 + l * kvw * 13 * 2);
+        assert_eq!(w.matmul_macs, 3 * cfg.matmul_macs_per_token());
+        // Rows see 11, 12 and 13 keys.
+        assert_eq!(w.attention_macs, 2 * l * cfg.num_heads * cfg.head_dim * (11 + 12 + 13));
     }
 
     #[test]
