@@ -350,8 +350,9 @@ enum Command {
         #[arg(long)]
         json: bool,
         /// Also measure this machine's read bandwidth and arithmetic peaks (about a second and
-        /// 1 GiB of memory) and print each forward's floor, max(weight bytes / bandwidth,
-        /// T x multiply-adds / peak): how flat a cost curve this hardware allows at all
+        /// 1 GiB of memory, before each format) and print each forward's floor, max(bytes read /
+        /// bandwidth, multiply-adds / peak), with the weights, KV cache and attention counted:
+        /// how flat a cost curve this hardware allows at all
         #[arg(long)]
         roofline: bool,
     },
@@ -810,12 +811,11 @@ fn run(cli: Cli) -> Result<()> {
                 }
                 let rows = selfspec::bench::bench_forward(&target.model, context, &tokens, reps.max(1)).context("benchmark failed")?;
                 let bytes = target.model.weight_bytes_per_forward();
-                let kv_elem = target.model.kv_dtype().size_in_bytes();
-                let work = |t: usize| selfspec::roofline::ForwardWork::causal(target.model.config(), bytes, kv_elem, context, t);
-                let floor = |r: &selfspec::roofline::Roofline, t: usize| selfspec::roofline::floor_ms(&work(t), r.read_bytes_per_s, r.macs_per_s(f), r.f32_macs_per_s);
-                let floors: Option<Vec<f64>> = roof.map(|r| rows.iter().map(|row| floor(&r, row.tokens)).collect());
-                let works: Vec<_> = rows.iter().map(|row| work(row.tokens)).collect();
-                all.push(serde_json::json!({"weights": f.name(), "weight_bytes": bytes, "work": works, "rows": rows, "floor_ms": floors, "roofline": roof}));
+                // Each row's floor, and the floor of the row the ratios divide by (T = 1 where
+                // it was timed, else the first).
+                let base = if tokens.contains(&1) { 1 } else { tokens[0] };
+                let floors: Option<(Vec<f64>, f64)> = roof.map(|r| (r.floors_ms(&target.model, context, &tokens), r.floors_ms(&target.model, context, &[base])[0]));
+                all.push(serde_json::json!({"weights": f.name(), "weight_bytes": bytes, "rows": rows, "floor_ms": floors.as_ref().map(|f| &f.0), "roofline": roof}));
                 if !json {
                     let (bw, measured) = roof.map_or((selfspec::bench::DRAM_BYTES_PER_S, ""), |r| (r.read_bytes_per_s, " measured"));
                     println!(
@@ -834,11 +834,10 @@ fn run(cli: Cli) -> Result<()> {
                                 println!("{:>6} {:>10.2} {:>8.2} {:>8.2}", r.tokens, r.median_ms, r.ratio, r.min_ms);
                             }
                         }
-                        Some(fl) => {
+                        Some((fl, f1)) => {
                             // floor ratio: the flattest curve the hardware allows (floor(T) /
                             // floor(1)); of floor: how much of this row's time the floor is.
                             println!("{:>6} {:>10} {:>8} {:>8} {:>9} {:>12} {:>9}", "tokens", "median ms", "ratio", "min ms", "floor ms", "floor ratio", "of floor");
-                            let f1 = roof.map_or(f64::NAN, |r| floor(&r, 1));
                             for (r, fl) in rows.iter().zip(fl) {
                                 println!("{:>6} {:>10.2} {:>8.2} {:>8.2} {:>9.2} {:>12.2} {:>8.0}%", r.tokens, r.median_ms, r.ratio, r.min_ms, fl, fl / f1, 100.0 * fl / r.median_ms);
                             }

@@ -11,7 +11,7 @@
 //! threads: the least disturbed one, so the floors it gives are the most optimistic.
 use std::time::Instant;
 
-use crate::model::Config;
+use crate::model::{Config, Llama};
 use crate::quant::WeightFormat;
 
 /// Bytes the bandwidth test reads: larger than any last-level cache we have met (the Xeons
@@ -81,6 +81,17 @@ impl Roofline {
             isa: isa_name(),
             threads,
         }
+    }
+
+    /// The floor of `model`'s forward over each of `tokens` new tokens after `context` cached
+    /// ones, in its present weight format and KV cache type, as `bench` times them.
+    pub fn floors_ms(&self, model: &Llama, context: usize, tokens: &[usize]) -> Vec<f64> {
+        let (bytes, kv) = (model.weight_bytes_per_forward(), model.kv_dtype().size_in_bytes());
+        let peak = self.macs_per_s(model.weight_format());
+        tokens
+            .iter()
+            .map(|&t| floor_ms(&ForwardWork::causal(model.config(), bytes, kv, context, t), self.read_bytes_per_s, peak, self.f32_macs_per_s))
+            .collect()
     }
 
     /// The arithmetic peak a weight format's kernels are bound by. bf16 on AMX tiles has none
@@ -365,6 +376,26 @@ mod tests {
         if isa_name() != "portable" {
             assert!(i > f, "int8 {i} vs f32 {f}");
         }
+    }
+
+    #[test]
+    fn model_floors_follow_its_format_and_context() -> crate::Result<()> {
+        use candle_core::{DType, Device};
+        let cfg = crate::fixtures::tiny_config();
+        let vb = candle_nn::VarBuilder::from_tensors(crate::fixtures::random_weights(&cfg, 5)?, DType::F32, &Device::Cpu);
+        let mut model = Llama::load(vb, &cfg)?;
+        let r = Roofline { read_bytes_per_s: 1e6, f32_macs_per_s: 1e15, int8_macs_per_s: 1e15, isa: "test", threads: 1 };
+        // Bound by reading: the weights and the cache, in this format's bytes.
+        let kv_elem = model.kv_dtype().size_in_bytes();
+        let kv = |context: usize, t: usize| cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * (context + t) * kv_elem;
+        let f = r.floors_ms(&model, 16, &[1, 4]);
+        assert!((f[0] - (model.weight_bytes_per_forward() + kv(16, 1)) as f64 / 1e3).abs() < 1e-9, "{f:?}");
+        assert!(f[1] > f[0]);
+        let f32_bytes = model.weight_bytes_per_forward();
+        model.set_weights(WeightFormat::Q8_0, &crate::model::NativeWeights::new())?;
+        assert!(model.weight_bytes_per_forward() < f32_bytes);
+        assert!((r.floors_ms(&model, 16, &[1])[0] - (model.weight_bytes_per_forward() + kv(16, 1)) as f64 / 1e3).abs() < 1e-9);
+        Ok(())
     }
 
     #[test]
