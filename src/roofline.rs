@@ -3,9 +3,10 @@
 //!
 //! Why: the cost of a forward over T tokens has two floors, the weight bytes over the read
 //! bandwidth (the same for every T) and T times the multiply-adds over the arithmetic peak. The
-//! second decides how flat the cost curve can be, and it differs by an order of magnitude between
-//! CPUs: a 2-core Zen 3 (AVX2, no AVX-512) does about a third of the f32 multiply-adds of a
-//! 2-core Xeon with AVX-512, and has no 8-bit dot-product instruction at all. A flat-curve target
+//! second decides how flat the cost curve can be, and it differs several times over between
+//! CPUs: a 2-core Zen 3 (AVX2, no AVX-512) does about half the f32 multiply-adds of a 2-core
+//! Xeon with AVX-512 (90-103 against about 210 GMAC/s) and a quarter of its 8-bit ones (it has no
+//! 8-bit dot-product instruction). A flat-curve target
 //! written for one machine can be out of reach on another by arithmetic alone; this module puts a
 //! number on that instead of a guess. Every figure is the best of a few runs on all of the team's
 //! threads: the least disturbed one, so the floors it gives are the most optimistic.
