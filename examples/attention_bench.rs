@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
-use selfspec::kernels::{TreeAttention, TreeMask};
+use selfspec::cpu::{TreeAttention, TreeMask};
 
 fn main() -> anyhow::Result<()> {
     let (h, hkv, d) = (9, 3, 64);

@@ -5,18 +5,18 @@
 //! 4-bit blocks for a draft layer, 8-bit for heads).
 use std::time::Instant;
 
-use selfspec::drafter::Drafter;
-use selfspec::loader::Target;
-use selfspec::spec::TreeChoice;
+use selfspec::draft::drafter::Drafter;
+use selfspec::model::loader::Target;
+use selfspec::draft::choice::TreeChoice;
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     if args.len() < 3 {
         anyhow::bail!("usage: draftcost MODEL DRAFTER_DIR [weights]");
     }
-    let w: selfspec::quant::WeightFormat = args.get(3).map(|s| s.parse()).transpose()?.unwrap_or(selfspec::quant::WeightFormat::Native);
+    let w: selfspec::cpu::quant::WeightFormat = args.get(3).map(|s| s.parse()).transpose()?.unwrap_or(selfspec::cpu::quant::WeightFormat::Native);
     let target = Target::load_with(args[1].as_ref(), &candle_core::Device::Cpu, w)?;
-    let format = std::env::var("DRAFT_FORMAT").map(|f| f.parse()).unwrap_or(Ok(selfspec::drafter::DRAFTING_FORMAT))?;
+    let format = std::env::var("DRAFT_FORMAT").map(|f| f.parse()).unwrap_or(Ok(selfspec::draft::drafter::DRAFTING_FORMAT))?;
     let drafter = Drafter::from_dir_as(args[2].as_ref(), &target, format)?;
     let prompt = target.encode_prompt("Explain how a refrigerator keeps food cold, step by step, in detail.", true)?;
     let mut cache = target.model.new_cache()?;

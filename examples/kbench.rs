@@ -9,9 +9,9 @@
 //! via `ROWS=1,4`, formats via `FORMATS=f32,q4_1`.
 use std::time::Instant;
 
-use selfspec::bf16::PackedBf16;
-use selfspec::kernels::PackedWeight;
-use selfspec::quant::{CpuWeight, PackedF16, PackedQuant, QuantRows};
+use selfspec::cpu::bf16::PackedBf16;
+use selfspec::cpu::PackedWeight;
+use selfspec::cpu::quant::{CpuWeight, PackedF16, PackedQuant, QuantRows};
 
 fn main() {
     let args: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();

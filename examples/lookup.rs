@@ -5,14 +5,14 @@
 //! cargo run --release --example lookup -- models/smollm2.gguf training/data/distill3-smollm2.jsonl
 use std::path::PathBuf;
 
-use selfspec::lookup::Lookup;
+use selfspec::draft::lookup::Lookup;
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     if args.len() < 3 {
         anyhow::bail!("usage: lookup MODEL.gguf DISTILL.jsonl...");
     }
-    let target = selfspec::loader::Target::load(&PathBuf::from(&args[1]), &candle_core::Device::Cpu)?;
+    let target = selfspec::model::loader::Target::load(&PathBuf::from(&args[1]), &candle_core::Device::Cpu)?;
     // (context before the token, the answer from the token on), for every answer token.
     let mut cases: Vec<(Vec<u32>, Vec<u32>)> = Vec::new();
     for f in &args[2..] {

@@ -63,9 +63,9 @@ fn bad_model_files() {
 
     let hf = dir.join("hf-no-tok");
     std::fs::create_dir_all(&hf).unwrap();
-    let cfg = selfspec::fixtures::tiny_config();
-    let w = selfspec::fixtures::random_weights(&cfg, 1).unwrap();
-    selfspec::fixtures::write_hf(&hf, &cfg, &w).unwrap();
+    let cfg = selfspec::model::fixtures::tiny_config();
+    let w = selfspec::model::fixtures::random_weights(&cfg, 1).unwrap();
+    selfspec::model::fixtures::write_hf(&hf, &cfg, &w).unwrap();
     std::fs::remove_file(hf.join("tokenizer.json")).unwrap();
     expect_error(&["generate", "--model", hf.to_str().unwrap(), "--prompt", "x"], &["hf-no-tok", "tokenizer.json"]);
 }
@@ -129,19 +129,19 @@ fn bad_heads_and_trees() {
     let heads = dir.join("heads");
     h.save(&heads).unwrap();
     let hs = heads.to_str().unwrap();
-    expect_error(&["generate", "--model", m, "--prompt", "the", "--heads", hs, "--tree", "chain:3"], &["3 deep", "2 heads"]);
+    expect_error(&["generate", "--model", m, "--prompt", "the", "--drafter", hs, "--tree", "chain:3"], &["3 deep", "2 heads"]);
     let bad_tree = dir.join("tree.json");
     std::fs::write(&bad_tree, "[[0,1]]").unwrap();
-    expect_error(&["generate", "--model", m, "--prompt", "the", "--heads", hs, "--tree", bad_tree.to_str().unwrap()], &["tree.json", "prefix-closed"]);
-    expect_error(&["generate", "--model", m, "--prompt", "the", "--heads", dir.join("nothing").to_str().unwrap()], &["nothing", "not found"]);
+    expect_error(&["generate", "--model", m, "--prompt", "the", "--drafter", hs, "--tree", bad_tree.to_str().unwrap()], &["tree.json", "prefix-closed"]);
+    expect_error(&["generate", "--model", m, "--prompt", "the", "--drafter", dir.join("nothing").to_str().unwrap()], &["nothing", "not found"]);
     let (other, _) = tiny_gguf("cli-heads-other", 4);
-    expect_error(&["generate", "--model", other.to_str().unwrap(), "--prompt", "the", "--heads", hs], &["trained for", "heads"]);
+    expect_error(&["generate", "--model", other.to_str().unwrap(), "--prompt", "the", "--drafter", hs], &["trained for", "heads"]);
     // And they work on the right model.
-    let (code, out, err) = run(&["generate", "--model", m, "--prompt", "the", "--heads", hs, "--tree", "chain:2", "--max-tokens", "6", "--compare"]);
+    let (code, out, err) = run(&["generate", "--model", m, "--prompt", "the", "--drafter", hs, "--tree", "chain:2", "--max-tokens", "6", "--compare"]);
     assert_eq!(code, 0, "{err}");
     assert!(!out.is_empty() && err.contains("tau") && err.contains("bonus token counted") && err.contains("outputs identical"), "{err}");
     // The default tree (auto+lookup:6) needs no flag: it times this device, then stays exact.
-    let (code, _, err) = run(&["generate", "--model", m, "--prompt", "the cat the cat the", "--heads", hs, "--max-tokens", "8", "--compare"]);
+    let (code, _, err) = run(&["generate", "--model", m, "--prompt", "the cat the cat the", "--drafter", hs, "--max-tokens", "8", "--compare"]);
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("outputs identical") && err.contains("tau"), "{err}");
 }
@@ -160,42 +160,43 @@ fn draft_layer_through_the_cli() {
     let (code, _, err) = run(&["train", "--model", m, "--data", text.to_str().unwrap(), "--out", os, "--draft-layer", "--unroll", "2", "--epochs", "1", "--seq-len", "32", "--batch-tokens", "64", "--draft-vocab", "64", "--val-fraction", "0.2"]);
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("trained a draft layer") && out.join("draft.json").exists(), "{err}");
-    let (code, _, err) = run(&["generate", "--model", m, "--prompt", "the cat", "--heads", os, "--tree", "dynamic:6", "--max-tokens", "8", "--compare"]);
+    let (code, _, err) = run(&["generate", "--model", m, "--prompt", "the cat", "--drafter", os, "--tree", "dynamic:6", "--max-tokens", "8", "--compare"]);
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("outputs identical") && err.contains("per step: draft"), "{err}");
     // Drafting in 8-bit blocks instead of the default 4-bit ones: output still the target's.
-    let (code, _, err) = run(&["generate", "--model", m, "--prompt", "the cat", "--heads", os, "--tree", "dynamic:6", "--max-tokens", "8", "--compare", "--draft-weights", "q8_0"]);
+    let (code, _, err) = run(&["generate", "--model", m, "--prompt", "the cat", "--drafter", os, "--tree", "dynamic:6", "--max-tokens", "8", "--compare", "--draft-weights", "q8_0"]);
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("outputs identical"), "{err}");
-    let (code, _, err) = run(&["generate", "--model", m, "--prompt", "the cat", "--heads", os, "--draft-weights", "q3"]);
+    let (code, _, err) = run(&["generate", "--model", m, "--prompt", "the cat", "--drafter", os, "--draft-weights", "q3"]);
     assert!(code != 0 && err.contains("--draft-weights") && err.contains("unknown weight format 'q3'") && !err.contains("panicked"), "{err}");
     let prompts = dir.join("p.txt");
     std::fs::write(&prompts, "the cat\nthe dog\n").unwrap();
-    let (code, out_s, err) = run(&["eval", "--model", m, "--heads", os, "--prompts", prompts.to_str().unwrap(), "--tree", "chain:3", "--max-tokens", "8"]);
+    let (code, out_s, err) = run(&["eval", "--model", m, "--drafter", os, "--prompts", prompts.to_str().unwrap(), "--tree", "chain:3", "--max-tokens", "8"]);
     assert_eq!(code, 0, "{err}");
     assert!(out_s.contains("draft layer guesses"), "{out_s}");
     let tree = dir.join("tree.json");
-    let (code, tune_out, err) = run(&["tune", "--model", m, "--heads", os, "--prompts", prompts.to_str().unwrap(), "--out", tree.to_str().unwrap(), "--max-nodes", "4", "--max-tokens", "8"]);
+    let (code, tune_out, err) = run(&["tune", "--model", m, "--drafter", os, "--prompts", prompts.to_str().unwrap(), "--out", tree.to_str().unwrap(), "--max-nodes", "4", "--max-tokens", "8"]);
     assert_eq!(code, 0, "{err}");
     assert!(tree.exists());
     // Its pick is measured against the default tree in the same run.
     assert!(tune_out.contains("measured auto+lookup:6: tau"), "{tune_out}");
     // The tuned file, with a lookup branch written into it or added by hand, drives `eval`.
     let ts = tree.to_str().unwrap();
-    let plan = selfspec::spec::Plan::parse(&format!("{ts}+lookup:3")).unwrap();
+    let plan = selfspec::spec::plan::Plan::parse(&format!("{ts}+lookup:3")).unwrap();
     assert_eq!(plan.lookup.map(|l| l.max_tokens), Some(3));
-    let (code, out_s, err) = run(&["eval", "--model", m, "--heads", os, "--prompts", prompts.to_str().unwrap(), "--tree", ts, "--tree", &format!("{ts}+lookup:3"), "--max-tokens", "8"]);
+    let (code, out_s, err) = run(&["eval", "--model", m, "--drafter", os, "--prompts", prompts.to_str().unwrap(), "--tree", ts, "--tree", &format!("{ts}+lookup:3"), "--max-tokens", "8"]);
     assert_eq!(code, 0, "{err}");
     assert!(out_s.contains("+lookup:3") && out_s.contains("copied"), "{out_s}");
-    expect_error(&["eval", "--model", m, "--heads", os, "--prompts", prompts.to_str().unwrap(), "--tree", "chain:2+ngram"], &["+ngram", "lookup"]);
-    expect_error(&["eval", "--model", m, "--heads", os, "--prompts", prompts.to_str().unwrap(), "--tree", "auto:1"], &["auto:1", "2 to 64"]);
+    expect_error(&["eval", "--model", m, "--drafter", os, "--prompts", prompts.to_str().unwrap(), "--tree", "chain:2+ngram"], &["+ngram", "lookup"]);
+    expect_error(&["eval", "--model", m, "--drafter", os, "--prompts", prompts.to_str().unwrap(), "--tree", "auto:1"], &["auto:1", "2 to 64"]);
+    // The old names still work: `export-heads` and `--heads` are hidden aliases of `export` and `--drafter`.
     expect_error(&["export-heads", "--model", m, "--heads", os, "--out", dir.join("medusa").to_str().unwrap()], &["draft layer", "Medusa"]);
     // 8-bit storage loads back and drafts.
     let q8 = dir.join("layer-q8");
-    let (code, _, err) = run(&["export-heads", "--model", m, "--heads", os, "--out", q8.to_str().unwrap(), "--format", "q8"]);
+    let (code, _, err) = run(&["export", "--model", m, "--drafter", os, "--out", q8.to_str().unwrap(), "--format", "q8"]);
     assert_eq!(code, 0, "{err}");
-    let (code, _, err) = run(&["generate", "--model", m, "--prompt", "the cat", "--heads", q8.to_str().unwrap(), "--tree", "chain:2", "--max-tokens", "8", "--compare"]);
+    let (code, _, err) = run(&["generate", "--model", m, "--prompt", "the cat", "--drafter", q8.to_str().unwrap(), "--tree", "chain:2", "--max-tokens", "8", "--compare"]);
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("outputs identical"), "{err}");
-    expect_error(&["generate", "--model", m, "--prompt", "the", "--heads", os, "--tree", "chain:9"], &["9 deep", "draft layer"]);
+    expect_error(&["generate", "--model", m, "--prompt", "the", "--drafter", os, "--tree", "chain:9"], &["9 deep", "draft layer"]);
 }

@@ -9,24 +9,25 @@ use std::collections::HashMap;
 use candle_core::{Device, Tensor};
 use candle_nn::VarMap;
 use common::*;
-use selfspec::draft_layer::StoreFormat;
-use selfspec::draft_layer::{DraftLayer, DraftLayerConfig, TrainLayer};
-use selfspec::drafter::Drafter;
-use selfspec::generate::{generate_plain, StopRule};
-use selfspec::kernels::TreeMask;
-use selfspec::sampling::{rng, SamplingParams};
-use selfspec::spec::{generate_spec, SpecOptions, TreeChoice};
+use selfspec::draft::layer::StoreFormat;
+use selfspec::draft::layer::{DraftLayer, DraftLayerConfig, TrainLayer};
+use selfspec::draft::drafter::Drafter;
+use selfspec::decode::generate::{generate_plain, StopRule};
+use selfspec::cpu::TreeMask;
+use selfspec::decode::sampling::{rng, SamplingParams};
+use selfspec::draft::choice::TreeChoice;
+use selfspec::spec::{generate_spec, SpecOptions};
 use selfspec::train::TrainConfig;
-use selfspec::train_layer::train_layer;
-use selfspec::tree::Tree;
-use selfspec::verify::Rule;
+use selfspec::train::layer::train_layer;
+use selfspec::draft::tree::Tree;
+use selfspec::spec::verify::Rule;
 
 fn to_vec(t: &Tensor) -> Vec<f32> {
     t.flatten_all().unwrap().to_vec1().unwrap()
 }
 
 /// A random (untrained) layer for `t`, over its whole vocabulary.
-fn random_layer(t: &selfspec::loader::Target, seed: u64) -> (TrainLayer, Vec<u32>) {
+fn random_layer(t: &selfspec::model::loader::Target, seed: u64) -> (TrainLayer, Vec<u32>) {
     let vocab = t.model.config().vocab_size;
     let ids: Vec<u32> = (0..vocab as u32).collect();
     let cfg = DraftLayerConfig::for_target(t, vocab).unwrap();
@@ -95,8 +96,8 @@ fn drafting_with_a_layer_keeps_greedy_output_exact() {
         }
     }
     // A tree deeper than the layer may draft is refused up front.
-    let too_deep = TreeChoice::Static(Tree::chain(selfspec::drafter::LAYER_MAX_DEPTH + 1));
-    assert!(too_deep.validate_for(&drafter).is_err());
+    let too_deep = TreeChoice::Static(Tree::chain(selfspec::draft::drafter::LAYER_MAX_DEPTH + 1));
+    assert!(drafter.validate_tree(&too_deep).is_err());
 }
 
 
@@ -116,7 +117,7 @@ fn quick_cfg() -> TrainConfig {
     }
 }
 
-fn run(t: &selfspec::loader::Target, cfg: &TrainConfig, out: &std::path::Path, resume: bool) -> (DraftLayer, selfspec::train::TrainReport) {
+fn run(t: &selfspec::model::loader::Target, cfg: &TrainConfig, out: &std::path::Path, resume: bool) -> (DraftLayer, selfspec::train::TrainReport) {
     train_layer(t, &corpus(), cfg, out, resume, None, &mut |_, _, _, _, _| {}, &mut |_| {}).unwrap()
 }
 
@@ -139,7 +140,7 @@ fn layer_training_learns_resumes_and_round_trips() {
     let last: f64 = rep.losses[n - 3..].iter().sum::<f64>() / 3.0;
     assert!(last < first * 0.9, "loss {first} -> {last}");
     assert_eq!(before, to_vec(t.model.lm_head().weight()), "the backbone changed during training");
-    assert_eq!(rep.val[0].top1.len(), selfspec::train_layer::VAL_LEVELS);
+    assert_eq!(rep.val[0].top1.len(), selfspec::train::layer::VAL_LEVELS);
 
     // Killed half way and resumed: the same weights as the uninterrupted run.
     let part = scratch("layer-train-part");
@@ -213,9 +214,9 @@ fn layer_training_learns_resumes_and_round_trips() {
     assert!(wf.iter().zip(&ww).all(|(a, b)| a.0 == b.0 && a.1.iter().zip(&b.1).all(|(x, y)| (x - y).abs() <= 1e-6)), "warm start did not load the layer");
     // Measuring the saved layer alone on the run's held-out chunks gives the run's own final
     // validation (same chunks, same weights); a drafter is needed.
-    let v = selfspec::train_layer::held_out_layer_accuracy(&t, &corpus(), &TrainConfig { init: Some(init.clone()), ..quick_cfg() }, None, &mut |_| {}).unwrap();
+    let v = selfspec::train::layer::held_out_layer_accuracy(&t, &corpus(), &TrainConfig { init: Some(init.clone()), ..quick_cfg() }, None, &mut |_| {}).unwrap();
     assert_eq!(v, rep.val.last().unwrap().clone());
-    assert!(selfspec::train_layer::held_out_layer_accuracy(&t, &corpus(), &quick_cfg(), None, &mut |_| {}).is_err());
+    assert!(selfspec::train::layer::held_out_layer_accuracy(&t, &corpus(), &quick_cfg(), None, &mut |_| {}).is_err());
     // A directory without a layer is refused by name.
     let e = train_layer(&t, &corpus(), &TrainConfig { init: Some(scratch("layer-train-empty")), ..cont }, &scratch("layer-train-x"), false, None, &mut |_, _, _, _, _| {}, &mut |_| {})
         .err()

@@ -4,9 +4,9 @@ mod common;
 
 use candle_core::{Device, Tensor};
 use common::*;
-use selfspec::fixtures;
-use selfspec::kernels::TreeMask;
-use selfspec::loader::Target;
+use selfspec::model::fixtures;
+use selfspec::cpu::TreeMask;
+use selfspec::model::loader::Target;
 
 #[test]
 fn gguf_and_hf_loaders_give_identical_logits() {
@@ -26,7 +26,7 @@ fn gguf_and_hf_loaders_give_identical_logits() {
     let lb = last_logits(&b.model, &tb);
     assert_eq!(la, lb, "GGUF and safetensors logits differ");
     // The chat template came through both paths.
-    let msg = [selfspec::tokenizer::Message { role: "user".into(), content: "hi".into() }];
+    let msg = [selfspec::model::tokenizer::Message { role: "user".into(), content: "hi".into() }];
     assert_eq!(a.chat_prompt(&msg).unwrap(), b.chat_prompt(&msg).unwrap());
     assert_eq!(a.fingerprint().unwrap(), b.fingerprint().unwrap());
 }
@@ -74,16 +74,16 @@ fn tree_forward_is_bit_identical_to_sequential_smollm2() {
 fn smollm2_knows_the_capital_of_france() {
     let t = smollm2();
     let ids = t.encode_prompt("The capital of France is", false).unwrap();
-    let stop = selfspec::generate::StopRule { max_new_tokens: 4, eos_ids: &t.tokenizer.eos_ids };
-    let params = selfspec::sampling::SamplingParams::greedy();
-    let (out, _) = selfspec::generate::generate_plain(&t.model, &ids, &params, &stop, &mut selfspec::sampling::rng(0), &mut |_| Ok(())).unwrap();
+    let stop = selfspec::decode::generate::StopRule { max_new_tokens: 4, eos_ids: &t.tokenizer.eos_ids };
+    let params = selfspec::decode::sampling::SamplingParams::greedy();
+    let (out, _) = selfspec::decode::generate::generate_plain(&t.model, &ids, &params, &stop, &mut selfspec::decode::sampling::rng(0), &mut |_| Ok(())).unwrap();
     let text = t.tokenizer.decode(&out).unwrap();
     assert!(text.starts_with(" Paris"), "got {text:?}");
 }
 
 #[test]
 fn attention_kernel_matches_candle_ops() {
-    use selfspec::kernels::TreeAttention;
+    use selfspec::cpu::TreeAttention;
     let dev = Device::Cpu;
     let (t, h, hkv, d, prefix) = (5, 4, 2, 16, 7);
     let q = Tensor::randn(0f32, 1., (t, h, d), &dev).unwrap();

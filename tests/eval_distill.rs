@@ -3,11 +3,13 @@ mod common;
 
 use common::*;
 use selfspec::data::{read_prompts, PromptItem};
-use selfspec::distill::{answer, answer_batch, append_record, done_ids};
-use selfspec::eval::{evaluate, mark_drafted, to_markdown, to_svg, EvalOptions};
-use selfspec::sampling::SamplingParams;
-use selfspec::spec::{Plan, TreeChoice};
-use selfspec::tree::Tree;
+use selfspec::train::distill::{answer, answer_batch, append_record, done_ids};
+use selfspec::eval::report::{to_markdown, to_svg};
+use selfspec::eval::{evaluate, mark_drafted, EvalOptions};
+use selfspec::decode::sampling::SamplingParams;
+use selfspec::draft::choice::TreeChoice;
+use selfspec::spec::plan::Plan;
+use selfspec::draft::tree::Tree;
 
 fn prompts() -> Vec<PromptItem> {
     vec![
@@ -38,7 +40,7 @@ fn eval_reports_tau_identity_and_files() {
         datastore: None,
         progress: &mut prog,
     };
-    let r = evaluate(&t, &selfspec::drafter::Drafter::Heads(heads), &prompts(), &mut opts).unwrap();
+    let r = evaluate(&t, &selfspec::draft::drafter::Drafter::Heads(heads), &prompts(), &mut opts).unwrap();
     assert_eq!(calls, 3, "one progress tick per turn");
     assert_eq!(r.turns.len(), 3);
     assert_eq!(r.per_category.len(), 2);

@@ -8,16 +8,17 @@ use std::path::PathBuf;
 use candle_core::quantized::GgmlDType;
 use candle_core::Device;
 use common::*;
-use selfspec::fixtures;
-use selfspec::generate::{generate_plain, StopRule};
-use selfspec::heads::Heads;
-use selfspec::loader::Target;
-use selfspec::quant::WeightFormat;
-use selfspec::sampling::{rng, SamplingParams};
-use selfspec::drafter::Drafter;
-use selfspec::spec::{generate_spec, SpecOptions, TreeChoice};
-use selfspec::tree::Tree;
-use selfspec::verify::Rule;
+use selfspec::model::fixtures;
+use selfspec::decode::generate::{generate_plain, StopRule};
+use selfspec::draft::heads::Heads;
+use selfspec::model::loader::Target;
+use selfspec::cpu::quant::WeightFormat;
+use selfspec::decode::sampling::{rng, SamplingParams};
+use selfspec::draft::drafter::Drafter;
+use selfspec::draft::choice::TreeChoice;
+use selfspec::spec::{generate_spec, SpecOptions};
+use selfspec::draft::tree::Tree;
+use selfspec::spec::verify::Rule;
 
 /// Tolerance on the largest logit difference from the f32 reference, relative to the largest
 /// |logit|: f16 rounds weights (2^-11 relative); bf16 rounds weights and activations (2^-8);
@@ -90,7 +91,7 @@ fn tree_forward_is_bit_identical_to_sequential_in_every_format() {
 /// of them a small tree, each after its own prefix.
 #[test]
 fn batched_forward_matches_each_sequence_alone_in_every_format() {
-    use selfspec::kernels::TreeMask;
+    use selfspec::cpu::TreeMask;
     use selfspec::model::BatchEntry;
     let dir = scratch("formats-batch");
     let cfg = fixtures::tiny_config();
@@ -174,7 +175,7 @@ fn smollm2_every_format_stays_close_and_greedy_speculation_stays_exact() {
     for f in [WeightFormat::F16, WeightFormat::Bf16, WeightFormat::Q8_0, WeightFormat::Native] {
         t.set_weights(f).unwrap();
         // Loaded after the switch, so its draft projection takes the target's format too.
-        let heads = Drafter::Heads(Heads::from_dir(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/heads/smollm2"), &t).unwrap());
+        let heads = Drafter::Heads(Heads::from_dir(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/drafters/smollm2-heads"), &t).unwrap());
         let got = last_logits(&t.model, &text);
         let d = rel_diff(&got, &reference);
         eprintln!("{f}: SmolLM2 logits differ from f32 by {d:.4} of the largest logit");
@@ -203,7 +204,7 @@ fn fused_drafting_matches_the_training_path() {
     let ids = t.encode_prompt("Name three colours.", true).unwrap();
     for (f, tol) in [(WeightFormat::F32, 1e-4f32), (WeightFormat::Native, 0.05)] {
         t.set_weights(f).unwrap();
-        let heads = Heads::from_dir(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/heads/smollm2"), &t).unwrap();
+        let heads = Heads::from_dir(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/drafters/smollm2-heads"), &t).unwrap();
         let mut cache = t.model.new_cache().unwrap();
         let h = t.model.forward_causal(&ids, &mut cache).unwrap().narrow(0, ids.len() - 1, 1).unwrap();
         let root = 42u32;

@@ -4,7 +4,7 @@ mod common;
 
 use candle_core::{Device, Tensor};
 use common::*;
-use selfspec::heads::Heads;
+use selfspec::draft::heads::Heads;
 use selfspec::train::{train, LossKind, TrainConfig};
 
 
@@ -24,7 +24,7 @@ fn quick_cfg() -> TrainConfig {
     }
 }
 
-fn run(t: &selfspec::loader::Target, cfg: &TrainConfig, out: &std::path::Path, resume: bool) -> (Heads, selfspec::train::TrainReport) {
+fn run(t: &selfspec::model::loader::Target, cfg: &TrainConfig, out: &std::path::Path, resume: bool) -> (Heads, selfspec::train::TrainReport) {
     train(t, &corpus(), cfg, out, resume, None, &mut |_, _, _, _, _| {}, &mut |_| {}).unwrap()
 }
 
@@ -103,8 +103,8 @@ fn loss_decreases_and_backbone_is_frozen() {
 #[test]
 fn conversations_train_on_the_answers_only() {
     let (_, t) = tiny_gguf("train-scored", 24);
-    let msg = |role: &str, content: &str| selfspec::tokenizer::Message { role: role.into(), content: content.into() };
-    let render = |m: &[selfspec::tokenizer::Message]| -> selfspec::Result<String> {
+    let msg = |role: &str, content: &str| selfspec::model::tokenizer::Message { role: role.into(), content: content.into() };
+    let render = |m: &[selfspec::model::tokenizer::Message]| -> selfspec::Result<String> {
         Ok(m.iter().map(|x| format!("<{}> {} </{}>\n", x.role, x.content, x.role)).collect())
     };
     let conv = [msg("system", "you are a cat"), msg("user", "what do you sit on"), msg("assistant", "the mat, the mat, always the mat")];

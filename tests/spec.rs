@@ -10,26 +10,28 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use common::*;
-use selfspec::budget::{Budget, CostCurve};
-use selfspec::generate::{generate_plain, StopRule};
-use selfspec::heads::{Heads, HeadsConfig};
-use selfspec::lookup::Lookup;
-use selfspec::loader::Fingerprint;
-use selfspec::model::{row_to_vec, Llama};
-use selfspec::sampling::{rng, SamplingParams};
-use selfspec::drafter::Drafter;
-use selfspec::spec::{generate_spec, SpecOptions, TreeChoice};
-use selfspec::tree::Tree;
-use selfspec::verify::Rule;
+use selfspec::draft::budget::{Budget, CostCurve};
+use selfspec::decode::generate::{generate_plain, StopRule};
+use selfspec::draft::heads::{Heads, HeadsConfig};
+use selfspec::draft::lookup::Lookup;
+use selfspec::model::loader::Fingerprint;
+use selfspec::cpu::reduce::row_to_vec;
+use selfspec::model::Llama;
+use selfspec::decode::sampling::{rng, SamplingParams};
+use selfspec::draft::drafter::Drafter;
+use selfspec::draft::choice::TreeChoice;
+use selfspec::spec::{generate_spec, SpecOptions};
+use selfspec::draft::tree::Tree;
+use selfspec::spec::verify::Rule;
 
 /// A random model with a 16-token vocabulary and random heads that draft varied tokens.
 fn tiny16() -> (Llama, Drafter) {
-    let mut cfg = selfspec::fixtures::tiny_config();
+    let mut cfg = selfspec::model::fixtures::tiny_config();
     cfg.vocab_size = 16;
     cfg.hidden_size = 32;
     cfg.intermediate_size = 64;
     cfg.head_dim = 8;
-    let w = selfspec::fixtures::random_weights(&cfg, 77).unwrap();
+    let w = selfspec::model::fixtures::random_weights(&cfg, 77).unwrap();
     let model = Llama::load(VarBuilder::from_tensors(w, DType::F32, &Device::Cpu), &cfg).unwrap();
     let hcfg = HeadsConfig {
         num_heads: 2,
@@ -187,7 +189,7 @@ fn speculative_sampling_matches_the_target_distribution() {
 }
 
 fn committed_heads() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/heads/smollm2")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/drafters/smollm2-heads")
 }
 
 #[test]
@@ -227,7 +229,7 @@ fn greedy_self_speculation_is_identical_to_plain_greedy() {
 #[test]
 fn greedy_speculation_with_the_committed_draft_layer_is_exact() {
     let t = smollm2();
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/heads/smollm2-layer");
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/drafters/smollm2-layer");
     let drafter = Drafter::from_dir(&dir, &t).unwrap();
     assert_eq!(drafter.kind(), "draft layer");
     let prompts = selfspec::data::read_prompts(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/prompts/eval.jsonl")).unwrap();
@@ -242,7 +244,7 @@ fn greedy_speculation_with_the_committed_draft_layer_is_exact() {
         (auto_tree(12), lookup),
     ];
     // The datastore: the target's own answers to distill8's prompts (none of them an eval prompt).
-    let ds = selfspec::datastore::Datastore::from_corpus(&t, &[PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/data/distill8-smollm2.jsonl")]).unwrap();
+    let ds = selfspec::draft::datastore::Datastore::from_corpus(&t, &[PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/data/distill8-smollm2.jsonl")]).unwrap();
     let (mut forwards, mut tokens, mut copied) = (0usize, 0usize, 0usize);
     let (mut copied_ctx, mut copied_ds) = (0usize, 0usize);
     for item in prompts.iter().skip(4).take(6) {

@@ -2,10 +2,11 @@
 use std::path::PathBuf;
 
 use candle_core::Device;
-use selfspec::kernels::TreeMask;
-use selfspec::model::{row_to_vec, rows_to_vec, Llama};
-use selfspec::fixtures;
-use selfspec::loader::Target;
+use selfspec::cpu::TreeMask;
+use selfspec::cpu::reduce::{row_to_vec, rows_to_vec};
+use selfspec::model::Llama;
+use selfspec::model::fixtures;
+use selfspec::model::loader::Target;
 
 /// A fresh scratch directory per test.
 pub fn scratch(name: &str) -> PathBuf {

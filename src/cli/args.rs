@@ -1,0 +1,158 @@
+//! Flag groups shared by several subcommands, one per concern (model, sampling, drafter), so
+//! each flag is defined and documented once.
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Result};
+use clap::Args;
+use selfspec::cpu::quant::WeightFormat;
+use selfspec::decode::sampling::SamplingParams;
+use selfspec::draft::datastore::Datastore;
+use selfspec::draft::drafter::{Drafter, DRAFTING_FORMAT};
+use selfspec::model::loader::{parse_device, Target};
+
+/// The seed every subcommand uses unless given `--seed`.
+pub const DEFAULT_SEED: u64 = 0;
+
+#[derive(Args, Clone)]
+#[command(next_help_heading = "Model")]
+pub struct ModelArgs {
+    /// A GGUF file or a Hugging Face model directory.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// cpu, cuda, cuda:N or metal.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// CPU weight format: f32 (dequantised reference), f16, bf16 (AMX tiles where the CPU has
+    /// them, slow elsewhere), q8_0, or native (the GGUF's own Q8_0/Q4_0/Q4_1/Q4_K blocks, int8
+    /// arithmetic; other types as Q8_0). GPUs always use f32. [default: f32; bench: all]
+    #[arg(long)]
+    pub weights: Option<WeightFormat>,
+    /// KV cache element type: f16 (half the bytes for attention to read; the default on the
+    /// CPU) or f32 (exact K/V; the default on GPUs).
+    #[arg(long, value_parser = ["f16", "f32"])]
+    pub kv_cache: Option<String>,
+}
+
+impl ModelArgs {
+    /// Load the target in the format asked for (f32 unless `--weights`).
+    pub fn load(&self) -> Result<Target> {
+        self.load_as(self.weights.unwrap_or(WeightFormat::F32))
+    }
+
+    pub fn load_as(&self, weights: WeightFormat) -> Result<Target> {
+        let device = parse_device(&self.device)?;
+        if weights != WeightFormat::F32 && !device.is_cpu() {
+            bail!("--weights {weights} is a CPU format; on {} the model runs candle's f32 kernels", self.device);
+        }
+        let mut target = Target::load_with(&self.model, &device, weights)?;
+        match self.kv_cache.as_deref() {
+            Some("f32") => target.model.set_kv_dtype(candle_core::DType::F32)?,
+            Some(_) => target.model.set_kv_dtype(candle_core::DType::F16)?,
+            None => {}
+        }
+        Ok(target)
+    }
+}
+
+#[derive(Args, Clone)]
+#[command(next_help_heading = "Sampling")]
+pub struct SamplingArgs {
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub repetition_penalty: f32,
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub presence_penalty: f32,
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub frequency_penalty: f32,
+    /// Seed of the sampler (with eval and distill: of the first prompt; prompt i uses seed + i).
+    #[arg(long, default_value_t = DEFAULT_SEED)]
+    pub seed: u64,
+}
+
+impl SamplingArgs {
+    /// The parameters, validated.
+    pub fn params(&self) -> Result<SamplingParams> {
+        let p = SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+        };
+        p.validate()?;
+        Ok(p)
+    }
+}
+
+#[derive(Args, Clone)]
+#[command(next_help_heading = "Drafter")]
+pub struct DrafterArgs {
+    /// A drafter directory: Medusa-style heads (heads.json + heads.safetensors, or the Medusa
+    /// format) or an EAGLE-style draft layer (draft.json + draft.safetensors), as `train` writes.
+    #[arg(long, alias = "heads", value_name = "DIR")]
+    pub drafter: Option<PathBuf>,
+    /// Weight format the drafter runs in: native (4-bit blocks for a draft layer, 8-bit for
+    /// heads: the fastest), q8_0 (8-bit: guesses a little closer to the trained weights', worth
+    /// it for deep trees), f16, bf16 or f32. Drafts need not be exact; verification is.
+    #[arg(long, default_value_t = DRAFTING_FORMAT)]
+    pub draft_weights: WeightFormat,
+    /// Text the +lookup branch may also copy from (REST-style retrieval): a corpus manifest
+    /// (training/corpus.toml: its sets marked `datastore = true`) or distill JSONL / text
+    /// files. Where its longest match with the text so far beats the context's, the branch
+    /// copies what most often followed it there.
+    #[arg(long, num_args = 1..)]
+    pub datastore: Vec<PathBuf>,
+}
+
+impl DrafterArgs {
+    /// The drafter directory, or an error naming the subcommand that needs one.
+    pub fn dir(&self, subcommand: &str) -> Result<&Path> {
+        match &self.drafter {
+            Some(d) => Ok(d),
+            None => bail!("{subcommand} needs --drafter DIR (a directory that `selfspec train` wrote, e.g. training/drafters/smollm2-layer)"),
+        }
+    }
+
+    /// Load the drafter, if one was named.
+    pub fn load(&self, target: &Target) -> Result<Option<Drafter>> {
+        Ok(match &self.drafter {
+            Some(dir) => Some(Drafter::from_dir_as(dir, target, self.draft_weights)?),
+            None => None,
+        })
+    }
+
+    /// Index the `--datastore` inputs, if any were named.
+    pub fn datastore(&self, target: &Target) -> Result<Option<Datastore>> {
+        if self.datastore.is_empty() {
+            return Ok(None);
+        }
+        let t0 = std::time::Instant::now();
+        let ds = Datastore::from_inputs(target, &self.datastore)?;
+        eprintln!("datastore: {} tokens indexed in {:.1}s", ds.len(), t0.elapsed().as_secs_f64());
+        Ok(Some(ds))
+    }
+}
+
+/// A progress bar on stderr, hidden when stderr is not a terminal.
+pub fn progress(len: u64, what: &str) -> indicatif::ProgressBar {
+    let bar = if std::io::stderr().is_terminal() { indicatif::ProgressBar::new(len) } else { indicatif::ProgressBar::hidden() };
+    let style = indicatif::ProgressStyle::with_template(&format!("{what} {{bar:30}} {{pos}}/{{len}} {{elapsed}} eta {{eta}} {{msg}}")).unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
+    bar.set_style(style);
+    bar
+}
+
+/// Accuracies as three-decimal strings, for summaries.
+pub fn fmt_acc(v: &[f64]) -> Vec<String> {
+    v.iter().map(|x| format!("{x:.3}")).collect()
+}

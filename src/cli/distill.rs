@@ -1,0 +1,49 @@
+//! `selfspec distill`: the target answers a prompts file; one JSONL record per answer.
+use std::path::PathBuf;
+
+use anyhow::{bail, Result};
+use clap::Args;
+use selfspec::train::distill::distill_file;
+
+use crate::cli::args::{progress, ModelArgs, SamplingArgs};
+
+#[derive(Args)]
+pub struct DistillArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// One prompt per line, or JSONL with "prompt" or "turns".
+    #[arg(long)]
+    prompts: PathBuf,
+    /// JSONL answers, appended as each is done (a killed run resumes).
+    #[arg(long)]
+    out: PathBuf,
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+    /// Conversations decoded side by side, one token each per forward: each weight is read
+    /// once per step for all of them. Answers are the same at any batch size.
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+}
+
+pub fn run(a: DistillArgs) -> Result<()> {
+    let params = a.sampling.params()?;
+    if a.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
+    }
+    let items = selfspec::data::read_prompts(&a.prompts)?;
+    let target = a.model.load()?;
+    let bar = progress(items.len() as u64, "distill");
+    let t0 = std::time::Instant::now();
+    let mut tokens = 0usize;
+    let s = distill_file(&target, &items, &a.out, &params, a.max_tokens, a.sampling.seed, a.batch, &mut |rec| {
+        tokens += rec.new_tokens;
+        bar.set_message(format!("{:.1} tok/s", tokens as f64 / t0.elapsed().as_secs_f64()));
+        bar.inc(1);
+    })?;
+    bar.finish_and_clear();
+    let secs = t0.elapsed().as_secs_f64();
+    eprintln!("distill: {} answered now, {} already done, {} tokens in {secs:.0}s ({:.1} tok/s) -> {}", s.answered, s.already_done, s.tokens, s.tokens as f64 / secs.max(1e-9), a.out.display());
+    Ok(())
+}

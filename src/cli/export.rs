@@ -1,0 +1,33 @@
+//! `selfspec export`: re-save a drafter in another format.
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::Args;
+use selfspec::draft::drafter::Drafter;
+use selfspec::draft::export::{export, ExportFormat};
+
+use crate::cli::args::ModelArgs;
+
+#[derive(Args)]
+pub struct ExportArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The drafter directory to re-save.
+    #[arg(long, alias = "heads", value_name = "DIR")]
+    drafter: PathBuf,
+    #[arg(long)]
+    out: PathBuf,
+    /// medusa (FasterDecoding/Medusa layout; heads only), f16 or f32 (selfspec heads or draft
+    /// layer), q8 (a draft layer in 8-bit blocks, a quarter of f32).
+    #[arg(long, default_value = "medusa", value_parser = ["medusa", "f16", "f32", "q8"])]
+    format: String,
+}
+
+pub fn run(a: ExportArgs) -> Result<()> {
+    let format: ExportFormat = a.format.parse()?;
+    let target = a.model.load()?;
+    let drafter = Drafter::from_dir(&a.drafter, &target)?;
+    let what = export(&drafter, &a.drafter, &target, &a.out, format)?;
+    eprintln!("wrote {what} ({}) to {}", a.format, a.out.display());
+    Ok(())
+}

@@ -1,0 +1,54 @@
+//! The `selfspec` command line: one file per subcommand, each parsing its flags, calling one
+//! library function and printing. Flags shared by several subcommands live in [`args`].
+pub mod args;
+pub mod bench;
+pub mod distill;
+pub mod eval;
+pub mod export;
+pub mod generate;
+pub mod train;
+pub mod tune;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "selfspec", version, about = "Self-speculative decoding: a drafter reads the target's own hidden states, one target forward verifies its token tree exactly")]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text from a prompt (plain decoding, or self-speculative with --drafter).
+    Generate(generate::GenerateArgs),
+    /// Self-distillation: the target answers each prompt through its chat template; one JSONL
+    /// record per answer, appended as soon as it is done (a killed run resumes).
+    Distill(distill::DistillArgs),
+    /// Train a drafter (Medusa-style heads or an EAGLE-style draft layer) with the target frozen.
+    Train(train::TrainArgs),
+    /// τ, per-level accuracy and speed-up against plain decoding, measured in one run.
+    Eval(eval::EvalArgs),
+    /// Measure the drafter's accuracy and this device's forward costs; write the tree that
+    /// maximises expected speed-up.
+    Tune(tune::TuneArgs),
+    /// Re-save a drafter: heads in the FasterDecoding/Medusa format or as f16/f32, a draft layer
+    /// as f32, f16 or q8.
+    #[command(alias = "export-heads")]
+    Export(export::ExportArgs),
+    /// Time one forward over T new tokens after a context, for each T and weight format.
+    Bench(bench::BenchArgs),
+}
+
+/// Run the subcommand the command line names.
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Generate(a) => generate::run(a),
+        Command::Distill(a) => distill::run(a),
+        Command::Train(a) => train::run(a),
+        Command::Eval(a) => eval::run(a),
+        Command::Tune(a) => tune::run(a),
+        Command::Export(a) => export::run(a),
+        Command::Bench(a) => bench::run(a),
+    }
+}

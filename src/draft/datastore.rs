@@ -1,0 +1,215 @@
+//! Drafting from a datastore of the target's own earlier text (retrieval, as REST does).
+//!
+//! A 135M instruction model answers in stock phrases ("I'm here to help", "Here's a simple
+//! example", "In summary, ..."), and the same phrases fill the answers it gave to thousands of
+//! other prompts. The datastore holds those answers (the self-distillation corpus) under a suffix
+//! array: the longest suffix of the current text that occurs there selects every earlier
+//! occurrence, and the tokens that most often followed them form a copied branch of the step's
+//! tree, like the context lookup's ([`crate::draft::lookup`]). It is a function of the emitted text
+//! alone, so both acceptance rules stay exact; a wrong guess costs only its tree nodes.
+use std::ops::Range;
+use std::path::PathBuf;
+
+use crate::model::loader::Target;
+use crate::{Error, Result};
+
+/// Ends every stored sequence, so no match runs from one document into the next.
+const SEP: u32 = u32::MAX;
+/// Suffixes are sorted on this many leading tokens: longer than any match plus continuation.
+const SORT_DEPTH: usize = 64;
+
+/// Token sequences under a suffix array (sorted on their first [`SORT_DEPTH`] tokens).
+pub struct Datastore {
+    tokens: Vec<u32>,
+    sa: Vec<u32>,
+    /// Shortest and longest suffix of the context tried, longest first.
+    pub min_match: usize,
+    pub max_match: usize,
+    /// A continuation token is kept only while it followed at least this share of the
+    /// occurrences still matching (and at least two of them).
+    pub min_share: f64,
+}
+
+impl Datastore {
+    /// Index `seqs`; an empty collection is refused (there would be nothing to copy).
+    pub fn from_sequences(seqs: impl IntoIterator<Item = Vec<u32>>) -> Result<Self> {
+        let mut tokens = Vec::new();
+        for s in seqs {
+            if s.contains(&SEP) {
+                return Err(Error::InvalidArgument(format!("token id {SEP} is reserved by the datastore")));
+            }
+            if !s.is_empty() {
+                tokens.extend(s);
+                tokens.push(SEP);
+            }
+        }
+        if tokens.is_empty() {
+            return Err(Error::InvalidArgument("the datastore got no text".into()));
+        }
+        if tokens.len() >= u32::MAX as usize {
+            return Err(Error::InvalidArgument(format!("datastore of {} tokens is too large (at most 4G)", tokens.len())));
+        }
+        let key = |i: u32| {
+            let i = i as usize;
+            &tokens[i..(i + SORT_DEPTH).min(tokens.len())]
+        };
+        let mut sa: Vec<u32> = (0..tokens.len() as u32).filter(|&i| tokens[i as usize] != SEP).collect();
+        use rayon::slice::ParallelSliceMut;
+        sa.par_sort_unstable_by(|&a, &b| key(a).cmp(key(b)).then(a.cmp(&b)));
+        // Measured on the bundled eval prompts with the self-distilled answers as the store
+        // (native weights, layer drafter): min_match 1 or 3, max_match 12 and min_share 0.1 or
+        // 0.4 moved τ by at most 0.04.
+        Ok(Datastore { tokens, sa, min_match: 2, max_match: 8, min_share: 0.25 })
+    }
+
+    /// Index what `--datastore` names: corpus manifests (their `datastore = true` sets, in
+    /// manifest order) and files. Directories are refused ([`crate::data::manifest::datastore_files`]).
+    pub fn from_inputs(target: &Target, inputs: &[PathBuf]) -> Result<Self> {
+        let files = crate::data::manifest::datastore_files(inputs)?;
+        Self::from_corpus(target, &files)
+    }
+
+    /// The rendered and tokenized documents of `paths` (text files, directories, distill JSONL,
+    /// as `train --data` reads them).
+    pub fn from_corpus(target: &Target, paths: &[PathBuf]) -> Result<Self> {
+        let docs = crate::data::read_corpus(paths, &|m| target.render_conversation(m))?;
+        let seqs = docs.iter().map(|d| target.tokenizer.encode(&d.text, true)).collect::<Result<Vec<_>>>()?;
+        Self::from_sequences(seqs).map_err(|e| Error::bad_file(paths.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", "), e.to_string()))
+    }
+
+    /// Stored tokens (separators excluded).
+    pub fn len(&self) -> usize {
+        self.sa.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.sa.is_empty()
+    }
+
+    /// Token `depth` places into the suffix at `sa[i]` (a separator past the end).
+    fn at(&self, i: usize, depth: usize) -> u32 {
+        self.tokens.get(self.sa[i] as usize + depth).copied().unwrap_or(SEP)
+    }
+
+    /// The entries of `within` (all sharing their first `depth` tokens) whose token at `depth`
+    /// is `tok`: contiguous, as the array is sorted.
+    fn narrow(&self, within: Range<usize>, depth: usize, tok: u32) -> Range<usize> {
+        let s = &self.sa[within.clone()];
+        let lo = s.partition_point(|&p| self.tokens.get(p as usize + depth).copied().unwrap_or(SEP) < tok);
+        let hi = s.partition_point(|&p| self.tokens.get(p as usize + depth).copied().unwrap_or(SEP) <= tok);
+        within.start + lo..within.start + hi
+    }
+
+    /// Suffix-array entries that start with `pattern` (two binary searches on whole prefixes:
+    /// this runs for every suffix length at every step).
+    fn find(&self, pattern: &[u32]) -> Range<usize> {
+        let key = |p: u32| {
+            let p = p as usize;
+            &self.tokens[p..(p + pattern.len()).min(self.tokens.len())]
+        };
+        let lo = self.sa.partition_point(|&p| key(p) < pattern);
+        lo..lo + self.sa[lo..].partition_point(|&p| key(p) == pattern)
+    }
+
+    /// The continuation of the longest suffix of `context` (of `min_match..=max_match` tokens)
+    /// that has one in the store, and that suffix's length (0 and empty when none has): at each
+    /// step the token that most often followed the occurrences still matching, while it holds
+    /// `min_share` of them and at least two. A long suffix seen too rarely to agree on a next
+    /// token gives way to a shorter one seen more often.
+    /// Only suffixes longer than `longer_than` tokens are tried (a caller with a match of its
+    /// own that long needs no shorter one: this runs at every step).
+    pub fn continuation(&self, context: &[u32], max_tokens: usize, longer_than: usize) -> (usize, Vec<u32>) {
+        for n in (self.min_match.max(longer_than + 1).max(1)..=self.max_match.min(SORT_DEPTH / 2)).rev() {
+            if context.len() < n {
+                continue;
+            }
+            let mut r = self.find(&context[context.len() - n..]);
+            if r.is_empty() {
+                continue;
+            }
+            let mut out = Vec::new();
+            while out.len() < max_tokens && n + out.len() < SORT_DEPTH {
+                let depth = n + out.len();
+                // Groups of equal next tokens are contiguous: step from group to group.
+                let (mut best, mut best_count, mut i) = (SEP, 0, r.start);
+                while i < r.end {
+                    let tok = self.at(i, depth);
+                    let g = self.narrow(i..r.end, depth, tok);
+                    if tok != SEP && g.len() > best_count {
+                        (best, best_count) = (tok, g.len());
+                    }
+                    i = g.end;
+                }
+                if best == SEP || best_count < 2 || (best_count as f64) < self.min_share * r.len() as f64 {
+                    break;
+                }
+                out.push(best);
+                r = self.narrow(r, depth, best);
+            }
+            if !out.is_empty() {
+                return (n, out);
+            }
+        }
+        (0, Vec::new())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn continues_the_most_frequent_follower_of_the_longest_match() {
+        let mut ds = Datastore::from_sequences(vec![vec![1, 2, 3, 4, 5], vec![9, 2, 3, 4, 6], vec![7, 2, 3, 4, 5, 8], vec![1, 2, 3, 7]]).unwrap();
+        ds.min_match = 1;
+        ds.min_share = 0.0;
+        // "2 3": followed by 4 three times, 7 once; then 4 -> 5 twice, 6 once; then 5 -> 8 once only.
+        assert_eq!(ds.continuation(&[0, 2, 3], 5, 0), (2, vec![4, 5]));
+        // The longer match "1 2 3" has two occurrences that disagree ("4" and "7"): one
+        // follower is not enough support, so the shorter "2 3" speaks.
+        assert_eq!(ds.continuation(&[1, 2, 3], 5, 0), (2, vec![4, 5]));
+        assert_eq!(ds.continuation(&[9, 2, 3], 2, 0), (2, vec![4, 5]));
+        assert_eq!(ds.continuation(&[3, 4], 1, 0), (2, vec![5]));
+        // Nothing matches, or an empty context.
+        assert_eq!(ds.continuation(&[42, 43], 4, 0), (0, vec![]));
+        assert_eq!(ds.continuation(&[], 4, 0), (0, vec![]));
+        // The end of a document is never copied: "4 5" ends one and is followed by 8 once.
+        assert_eq!(ds.continuation(&[4, 5], 4, 0), (0, vec![]));
+        // The share threshold stops a contested step: after "3", 4 holds 3 of 4 followers.
+        ds.min_share = 0.7;
+        assert_eq!(ds.continuation(&[0, 3], 1, 0), (1, vec![4]));
+        ds.min_share = 0.9;
+        assert_eq!(ds.continuation(&[0, 3], 1, 0), (0, vec![]));
+        // Suffixes no longer than a caller's own match are not tried.
+        ds.min_share = 0.0;
+        assert_eq!(ds.continuation(&[0, 2, 3], 5, 0), (2, vec![4, 5]));
+        assert_eq!(ds.continuation(&[0, 2, 3], 5, 2), (0, vec![]));
+    }
+
+    #[test]
+    fn suffix_array_is_sorted_and_complete() {
+        let seqs: Vec<Vec<u32>> = (0..40u32).map(|s| (0..(s % 7 + 3)).map(|i| (s * 31 + i * 17) % 5).collect()).collect();
+        let total: usize = seqs.iter().map(Vec::len).sum();
+        let ds = Datastore::from_sequences(seqs).unwrap();
+        assert_eq!(ds.len(), total);
+        for w in ds.sa.windows(2) {
+            let k = |i: u32| &ds.tokens[i as usize..(i as usize + SORT_DEPTH).min(ds.tokens.len())];
+            assert!(k(w[0]) <= k(w[1]));
+        }
+        // Every occurrence of a pattern is found, and only those.
+        for pat in [&[1u32, 3][..], &[4], &[0, 2, 4], &[3, 3, 3, 3, 3]] {
+            let brute = ds.tokens.windows(pat.len()).filter(|w| w == &pat).count();
+            let r = ds.find(pat);
+            assert_eq!(r.len(), brute, "{pat:?}");
+            assert!(r.clone().all(|i| ds.tokens[ds.sa[i] as usize..].starts_with(pat)));
+        }
+        assert!(!ds.find(&[1, 3]).is_empty());
+    }
+
+    #[test]
+    fn refuses_empty_and_reserved_input() {
+        assert!(Datastore::from_sequences(Vec::<Vec<u32>>::new()).is_err());
+        assert!(Datastore::from_sequences(vec![vec![]]).is_err());
+        assert!(Datastore::from_sequences(vec![vec![1, u32::MAX]]).is_err());
+    }
+}

@@ -1,0 +1,64 @@
+//! Re-saving a drafter: heads in the FasterDecoding/Medusa format or as f16/f32 selfspec heads, a
+//! draft layer as f32, f16 or 8-bit blocks.
+use std::path::Path;
+use std::str::FromStr;
+
+use crate::draft::drafter::Drafter;
+use crate::draft::layer::StoreFormat;
+use crate::model::loader::Target;
+use crate::{Error, Result};
+
+/// The formats `export` writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExportFormat {
+    /// FasterDecoding/Medusa's layout (heads only, full vocabulary, no root-token input).
+    Medusa,
+    F16,
+    F32,
+    /// 8-bit blocks, a quarter of f32 (draft layers only).
+    Q8,
+}
+
+impl FromStr for ExportFormat {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Ok(match s {
+            "medusa" => ExportFormat::Medusa,
+            "f16" => ExportFormat::F16,
+            "f32" => ExportFormat::F32,
+            "q8" => ExportFormat::Q8,
+            _ => return Err(Error::InvalidArgument(format!("unknown export format '{s}' (medusa, f16, f32, q8)"))),
+        })
+    }
+}
+
+/// Write `drafter` (loaded from `from`, named in errors) to `out` in `format`; returns what was
+/// written, for the summary line.
+pub fn export(drafter: &Drafter, from: &Path, target: &Target, out: &Path, format: ExportFormat) -> Result<String> {
+    match (drafter, format) {
+        (Drafter::Heads(h), ExportFormat::Medusa) => h.export_medusa(out, target)?,
+        (Drafter::Heads(_), ExportFormat::Q8) => return Err(Error::bad_file(from, "q8 storage is for draft layers; store heads as f16 or f32")),
+        (Drafter::Heads(h), f) => h.save_as(out, f == ExportFormat::F16)?,
+        (Drafter::Layer(_), ExportFormat::Medusa) => {
+            return Err(Error::bad_file(from, "a draft layer has no Medusa-format equivalent (Medusa heads read one hidden state; the layer attends over the prefix)"))
+        }
+        (Drafter::Layer(l), f) => l.save_as(out, if f == ExportFormat::F32 { StoreFormat::F32 } else if f == ExportFormat::F16 { StoreFormat::F16 } else { StoreFormat::Q8 })?,
+    }
+    Ok(match drafter {
+        Drafter::Heads(h) => format!("{} heads", h.num_heads()),
+        Drafter::Layer(_) => "the draft layer".to_string(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn formats_parse_and_unknown_ones_are_named() {
+        assert_eq!("medusa".parse::<ExportFormat>().unwrap(), ExportFormat::Medusa);
+        assert_eq!("q8".parse::<ExportFormat>().unwrap(), ExportFormat::Q8);
+        let e = "gguf".parse::<ExportFormat>().unwrap_err().to_string();
+        assert!(e.contains("gguf") && e.contains("medusa"), "{e}");
+    }
+}

@@ -1,0 +1,438 @@
+//! Medusa-style draft heads: K small residual blocks on the target's last hidden state, each
+//! guessing one more token ahead, all feeding the target's frozen lm_head (or an own copy).
+//!
+//! Head k (0-based) reading the hidden state at position t guesses token t+k+2: the target's own
+//! lm_head already predicts t+1.
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{Module, VarBuilder, VarMap};
+use serde::{Deserialize, Serialize};
+
+use crate::model::loader::{Fingerprint, Target};
+use crate::cpu::quant::WeightFormat;
+use crate::cpu::reduce::top_k_rows;
+use crate::{Error, Result};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HeadsConfig {
+    pub num_heads: usize,
+    /// Residual blocks per head.
+    pub num_layers: usize,
+    pub hidden_size: usize,
+    pub vocab_size: usize,
+    /// false: the heads share the target's lm_head (the default, as in Medusa-2 and TGI).
+    pub own_lm_head: bool,
+    /// Which target these heads were trained for.
+    pub target: Fingerprint,
+    /// Size of the frequency-ranked draft vocabulary (FR-Spec style): heads score only these
+    /// tokens, which makes drafting and training several times cheaper. None = the full vocabulary.
+    /// Verification always uses the full target, so this never affects exactness.
+    #[serde(default)]
+    pub draft_vocab_size: Option<usize>,
+    /// Token-aware heads (Hydra-style): the first block also reads the embedding of the root
+    /// token, the one the target's lm_head just produced from the same hidden state, which plain
+    /// Medusa heads must guess blindly. Zero-initialised, so training starts from plain Medusa.
+    #[serde(default)]
+    pub token_aware: bool,
+    /// How they were made (command line, data, accuracy): free-form, for the record.
+    #[serde(default)]
+    pub recipe: serde_json::Value,
+}
+
+/// One residual block `h + SiLU(W h + b)`; W starts at zero so a fresh head is the identity.
+struct ResBlock {
+    lin: candle_nn::Linear,
+}
+
+pub struct Heads {
+    cfg: HeadsConfig,
+    blocks: Vec<Vec<ResBlock>>,
+    own: Vec<candle_nn::Linear>,
+    /// Per head, the root-token projection of a token-aware first block.
+    token_proj: Vec<candle_nn::Linear>,
+    /// Token ids of the draft vocabulary, ascending, and their slice of the target's lm_head
+    /// (also as a packed layer for fast drafting).
+    draft_vocab: Option<(Vec<u32>, Tensor)>,
+    draft_proj: Option<crate::model::Linear>,
+    /// Inference copy of every head's first block as one layer over `[h, root embedding]`:
+    /// one kernel call instead of 2K small matmuls per drafting step.
+    draft_first: Option<crate::model::Linear>,
+}
+
+pub const WEIGHTS_FILE: &str = "heads.safetensors";
+pub const CONFIG_FILE: &str = "heads.json";
+
+impl Heads {
+    /// Build from a VarBuilder holding `heads.{k}.blocks.{l}.{weight,bias}` (and
+    /// `heads.{k}.lm_head.weight` with an own lm_head). With a VarMap-backed builder whose
+    /// initialiser is zero, this is a fresh (identity) set of heads ready for training.
+    pub fn load(vb: VarBuilder, cfg: &HeadsConfig) -> Result<Self> {
+        let d = cfg.hidden_size;
+        let mut blocks = Vec::with_capacity(cfg.num_heads);
+        let mut own = Vec::new();
+        let mut token_proj = Vec::new();
+        for k in 0..cfg.num_heads {
+            let hv = vb.pp(format!("heads.{k}"));
+            let mut bs = Vec::with_capacity(cfg.num_layers);
+            for l in 0..cfg.num_layers {
+                let bv = hv.pp(format!("blocks.{l}"));
+                let w = bv.get_with_hints((d, d), "weight", candle_nn::Init::Const(0.0))?;
+                let b = bv.get_with_hints(d, "bias", candle_nn::Init::Const(0.0))?;
+                bs.push(ResBlock { lin: candle_nn::Linear::new(w, Some(b)) });
+            }
+            blocks.push(bs);
+            if cfg.token_aware {
+                let u = hv.get_with_hints((d, d), "blocks.0.token_weight", candle_nn::Init::Const(0.0))?;
+                token_proj.push(candle_nn::Linear::new(u, None));
+            }
+            if cfg.own_lm_head {
+                let rows = cfg.draft_vocab_size.unwrap_or(cfg.vocab_size);
+                let w = hv.get_with_hints((rows, d), "lm_head.weight", candle_nn::Init::Const(0.0))?;
+                own.push(candle_nn::Linear::new(w, None));
+            }
+        }
+        let draft_vocab = match cfg.draft_vocab_size {
+            Some(n) => {
+                let ids = vb.get_with_hints(n, "draft_vocab", candle_nn::Init::Const(0.0))?;
+                let ids: Vec<u32> = ids.to_dtype(DType::F32)?.to_vec1::<f32>()?.into_iter().map(|x| x as u32).collect();
+                Some((ids, Tensor::zeros(1, DType::F32, vb.device())?))
+            }
+            None => None,
+        };
+        Ok(Heads { cfg: cfg.clone(), blocks, own, token_proj, draft_vocab, draft_proj: None, draft_first: None })
+    }
+
+    /// Restrict drafting to `ids` (ascending token ids), slicing `target_lm_head` to match.
+    pub fn set_draft_vocab(&mut self, ids: Vec<u32>, target_lm_head: &Tensor) -> Result<()> {
+        let idx = Tensor::new(ids.as_slice(), target_lm_head.device())?;
+        let w = target_lm_head.index_select(&idx, 0)?.contiguous()?;
+        self.cfg.draft_vocab_size = Some(ids.len());
+        self.draft_proj = Some(crate::model::Linear::new_packed(w.clone(), None)?);
+        self.draft_vocab = Some((ids, w));
+        Ok(())
+    }
+
+    /// Store the draft vocabulary's projection in `format` (native means Q8_0: the slice of a
+    /// quantized lm_head is requantised). Drafting reads it every step, so on a fast compact
+    /// target an f32 copy would cost a noticeable share of the step; drafts need not be exact.
+    pub fn set_draft_format(&mut self, format: WeightFormat) -> Result<()> {
+        let format = if format == WeightFormat::Native { WeightFormat::Q8_0 } else { format };
+        if let Some(p) = self.draft_proj.as_mut() {
+            p.set_format(format, None)?;
+        }
+        // Rows of head k: [W_k | U_k] (U_k, the root-token projection, only for token-aware
+        // heads), so the fused layer reads [h, e] and returns every head's pre-activation.
+        let mut rows = Vec::with_capacity(self.blocks.len());
+        let mut biases = Vec::with_capacity(self.blocks.len());
+        for (k, bs) in self.blocks.iter().enumerate() {
+            let Some(b0) = bs.first() else { return Ok(()) };
+            let w = b0.lin.weight().clone();
+            rows.push(if self.cfg.token_aware { Tensor::cat(&[&w, self.token_proj[k].weight()], 1)? } else { w });
+            match b0.lin.bias() {
+                Some(b) => biases.push(b.clone()),
+                None => biases.push(Tensor::zeros(self.cfg.hidden_size, DType::F32, b0.lin.weight().device())?),
+            }
+        }
+        let mut first = crate::model::Linear::new(Tensor::cat(&rows, 0)?.contiguous()?, Some(Tensor::cat(&biases, 0)?));
+        first.set_format(format, None)?;
+        self.draft_first = Some(first);
+        Ok(())
+    }
+
+    /// Bind a loaded draft vocabulary to the target's lm_head rows.
+    fn bind_draft_vocab(&mut self, target_lm_head: &Tensor) -> Result<()> {
+        if let Some((ids, _)) = self.draft_vocab.take() {
+            if let Some(&bad) = ids.iter().find(|&&i| i as usize >= self.cfg.vocab_size) {
+                return Err(Error::InvalidArgument(format!("draft vocabulary holds token {bad}, beyond the vocabulary")));
+            }
+            self.set_draft_vocab(ids, target_lm_head)?;
+        }
+        Ok(())
+    }
+
+    /// The draft vocabulary's token ids, if restricted.
+    pub fn draft_vocab(&self) -> Option<&[u32]> {
+        self.draft_vocab.as_ref().map(|(ids, _)| ids.as_slice())
+    }
+
+    /// The projection the heads score with during training: own, the draft-vocabulary slice of
+    /// lm_head, or lm_head itself.
+    pub fn projection<'a>(&'a self, k: usize, target_lm_head: &'a Tensor) -> &'a Tensor {
+        if self.cfg.own_lm_head {
+            return self.own[k].weight();
+        }
+        match &self.draft_vocab {
+            Some((_, w)) => w,
+            None => target_lm_head,
+        }
+    }
+
+    /// Fresh heads for training, their variables in `varmap`. An own lm_head starts as a copy
+    /// of the target's.
+    pub fn init(varmap: &VarMap, cfg: &HeadsConfig, target_lm_head: &Tensor, device: &Device) -> Result<Self> {
+        let vb = VarBuilder::from_varmap(varmap, DType::F32, device);
+        let heads = Self::load(vb, cfg)?;
+        if cfg.own_lm_head {
+            let data = varmap.data().lock().unwrap();
+            for k in 0..cfg.num_heads {
+                if let Some(v) = data.get(&format!("heads.{k}.lm_head.weight")) {
+                    v.set(target_lm_head)?;
+                }
+            }
+        }
+        Ok(heads)
+    }
+
+    /// Attach how these heads were made; saved in heads.json.
+    pub fn with_recipe(mut self, recipe: serde_json::Value) -> Self {
+        self.cfg.recipe = recipe;
+        self
+    }
+
+    pub fn config(&self) -> &HeadsConfig {
+        &self.cfg
+    }
+    pub fn num_heads(&self) -> usize {
+        self.cfg.num_heads
+    }
+
+    /// Per head, the transformed hidden states `[rows, d]` before the vocabulary projection.
+    /// `root` holds the root tokens' embeddings `[rows, d]` (needed by token-aware heads).
+    pub fn hidden(&self, h: &Tensor, root: Option<&Tensor>) -> Result<Vec<Tensor>> {
+        let mut out = Vec::with_capacity(self.cfg.num_heads);
+        for (k, bs) in self.blocks.iter().enumerate() {
+            let mut x = h.clone();
+            for (l, b) in bs.iter().enumerate() {
+                let mut pre = b.lin.forward(&x)?;
+                if l == 0 && self.cfg.token_aware {
+                    let e = root.ok_or_else(|| Error::InvalidArgument("token-aware heads need the root token".into()))?;
+                    pre = (pre + self.token_proj[k].forward(e)?)?;
+                }
+                x = (&x + candle_nn::ops::silu(&pre)?)?;
+            }
+            out.push(x);
+        }
+        Ok(out)
+    }
+
+    /// Draft logits `[K, draft vocab]` for one hidden state `[1, d]` whose lm_head output was
+    /// `root`: one batched projection.
+    pub fn draft_logits(&self, h: &Tensor, root: u32, target: &crate::model::Llama) -> Result<Tensor> {
+        let h = if h.rank() == 1 { h.unsqueeze(0)? } else { h.clone() };
+        let e = if self.cfg.token_aware { Some(target.embed(&[root])?) } else { None };
+        let hs = match &self.draft_first {
+            Some(first) => {
+                let input = match &e {
+                    Some(e) => Tensor::cat(&[&h, e], 1)?,
+                    None => h.clone(),
+                };
+                let pre = first.forward(&input.contiguous()?)?;
+                let d = self.cfg.hidden_size;
+                let mut out = Vec::with_capacity(self.blocks.len());
+                for (k, bs) in self.blocks.iter().enumerate() {
+                    let mut x = (&h + candle_nn::ops::silu(&pre.narrow(1, k * d, d)?)?)?;
+                    for b in bs.iter().skip(1) {
+                        x = (&x + candle_nn::ops::silu(&b.lin.forward(&x)?)?)?;
+                    }
+                    out.push(x);
+                }
+                out
+            }
+            None => self.hidden(&h, e.as_ref())?,
+        };
+        if self.cfg.own_lm_head {
+            let rows: Vec<Tensor> = hs.iter().zip(&self.own).map(|(x, l)| l.forward(x)).collect::<candle_core::Result<_>>()?;
+            return Ok(Tensor::cat(&rows, 0)?);
+        }
+        let x = Tensor::cat(&hs, 0)?.contiguous()?;
+        match &self.draft_proj {
+            Some(p) => p.forward(&x),
+            None => target.logits(&x),
+        }
+    }
+
+    /// Each head's top-`k` guesses as (token id, probability within the draft vocabulary).
+    pub fn draft_top_k(&self, h: &Tensor, root: u32, target: &crate::model::Llama, k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
+        let rows = top_k_rows(&self.draft_logits(h, root, target)?, k)?;
+        Ok(match &self.draft_vocab {
+            Some((ids, _)) => rows.into_iter().map(|r| r.into_iter().map(|(i, p)| (ids[i as usize], p)).collect()).collect(),
+            None => rows,
+        })
+    }
+
+    /// Training forward: `h [B, d]` (and root embeddings `[B, d]` for token-aware heads) ->
+    /// logits `[K, B, vocab]`, differentiable in the heads only.
+    pub fn train_logits(&self, h: &Tensor, root: Option<&Tensor>, target_lm_head: &Tensor) -> Result<Tensor> {
+        let hs = self.hidden(h, root)?;
+        let mut outs = Vec::with_capacity(hs.len());
+        for (k, x) in hs.iter().enumerate() {
+            outs.push(x.matmul(&self.projection(k, target_lm_head).t()?)?);
+        }
+        Ok(Tensor::stack(&outs, 0)?)
+    }
+
+    pub(crate) fn tensors(&self) -> HashMap<String, Tensor> {
+        let mut m = HashMap::new();
+        for (k, bs) in self.blocks.iter().enumerate() {
+            for (l, b) in bs.iter().enumerate() {
+                m.insert(format!("heads.{k}.blocks.{l}.weight"), b.lin.weight().clone());
+                if let Some(bias) = b.lin.bias() {
+                    m.insert(format!("heads.{k}.blocks.{l}.bias"), bias.clone());
+                }
+            }
+        }
+        for (k, l) in self.own.iter().enumerate() {
+            m.insert(format!("heads.{k}.lm_head.weight"), l.weight().clone());
+        }
+        for (k, l) in self.token_proj.iter().enumerate() {
+            m.insert(format!("heads.{k}.blocks.0.token_weight"), l.weight().clone());
+        }
+        if let Some((ids, w)) = &self.draft_vocab {
+            // Stored as f32 (exact for ids below 2^24) so one dtype serves every tensor.
+            let v: Vec<f32> = ids.iter().map(|&i| i as f32).collect();
+            m.insert("draft_vocab".into(), Tensor::from_vec(v, ids.len(), w.device()).expect("vector tensor"));
+        }
+        m
+    }
+
+    /// Write `heads.safetensors` and `heads.json` into `dir`, each atomically.
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        self.save_as(dir, false)
+    }
+
+    /// As [`Heads::save`]; with `half`, weights are stored as f16 (half the size; they load back
+    /// as f32). Token ids stay exact.
+    pub fn save_as(&self, dir: &Path, half: bool) -> Result<()> {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        let tmp = dir.join(format!("{WEIGHTS_FILE}.tmp"));
+        let mut ts = self.tensors();
+        if half {
+            for (name, t) in ts.iter_mut() {
+                if name != "draft_vocab" {
+                    *t = t.to_dtype(DType::F16)?;
+                }
+            }
+        }
+        candle_core::safetensors::save(&ts, &tmp)?;
+        std::fs::rename(&tmp, dir.join(WEIGHTS_FILE)).map_err(|e| Error::io(dir.join(WEIGHTS_FILE), e))?;
+        let json = serde_json::to_string_pretty(&self.cfg).expect("config serialises");
+        crate::files::write_atomic(&dir.join(CONFIG_FILE), json.as_bytes())
+    }
+
+    /// Load heads from `dir` for `target`, refusing heads trained for another model.
+    pub fn from_dir(dir: &Path, target: &Target) -> Result<Self> {
+        let cfg_path = dir.join(CONFIG_FILE);
+        let w_path = dir.join(WEIGHTS_FILE);
+        if !dir.is_dir() {
+            return Err(Error::io(dir, std::io::Error::new(std::io::ErrorKind::NotFound, "heads directory not found")));
+        }
+        if !cfg_path.exists() || !w_path.exists() {
+            if dir.join("medusa_lm_head.safetensors").exists() {
+                return Self::import_medusa(dir, target);
+            }
+            return Err(Error::bad_file(dir, format!("heads directory needs {CONFIG_FILE} and {WEIGHTS_FILE} (or a Medusa medusa_lm_head.safetensors + config.json)")));
+        }
+        let s = std::fs::read_to_string(&cfg_path).map_err(|e| Error::io(&cfg_path, e))?;
+        let cfg: HeadsConfig = serde_json::from_str(&s).map_err(|e| Error::bad_file(&cfg_path, format!("invalid heads config: {e}")))?;
+        let fp = target.fingerprint()?;
+        if cfg.target != fp {
+            return Err(Error::HeadsMismatch { heads: dir.to_path_buf(), heads_target: cfg.target.to_string(), model_target: fp.to_string() });
+        }
+        if cfg.num_heads == 0 {
+            return Err(Error::bad_file(&cfg_path, "num_heads is 0"));
+        }
+        let ts = candle_core::safetensors::load(&w_path, &Device::Cpu).map_err(|e| Error::bad_file(&w_path, format!("not a readable safetensors file: {e}")))?;
+        let vb = VarBuilder::from_tensors(ts, DType::F32, target.model.device());
+        let mut heads = Self::load(vb, &cfg).map_err(|e| Error::bad_file(&w_path, e.to_string()))?;
+        heads.bind_draft_vocab(target.model.lm_head().weight()).map_err(|e| Error::bad_file(&w_path, e.to_string()))?;
+        heads.set_draft_format(target.model.weight_format())?;
+        Ok(heads)
+    }
+
+    /// Write the FasterDecoding/Medusa format (`medusa_lm_head.safetensors` + `config.json`) that
+    /// vLLM and TGI load. Medusa-1 heads carry their own vocabulary projection, so a shared
+    /// lm_head is written out as a copy in each head.
+    pub fn export_medusa(&self, dir: &Path, target: &Target) -> Result<()> {
+        if self.draft_vocab.is_some() || self.cfg.token_aware {
+            return Err(Error::InvalidArgument(
+                "token-aware heads or heads with a reduced draft vocabulary have no Medusa-format equivalent; train with --draft-vocab 0 --no-root-token to export".into(),
+            ));
+        }
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        let mut m = HashMap::new();
+        let lm = target.model.lm_head().weight();
+        for (k, bs) in self.blocks.iter().enumerate() {
+            for (l, b) in bs.iter().enumerate() {
+                m.insert(format!("{k}.{l}.linear.weight"), b.lin.weight().clone());
+                m.insert(format!("{k}.{l}.linear.bias"), b.lin.bias().expect("blocks have biases").clone());
+            }
+            let w = if self.cfg.own_lm_head { self.own[k].weight().clone() } else { lm.clone() };
+            m.insert(format!("{k}.{}.weight", self.cfg.num_layers), w);
+        }
+        let tmp = dir.join("medusa_lm_head.safetensors.tmp");
+        candle_core::safetensors::save(&m, &tmp)?;
+        std::fs::rename(&tmp, dir.join("medusa_lm_head.safetensors")).map_err(|e| Error::io(dir, e))?;
+        let cfg = serde_json::json!({
+            "medusa_num_heads": self.cfg.num_heads, "medusa_num_layers": self.cfg.num_layers,
+            "hidden_size": self.cfg.hidden_size, "vocab_size": self.cfg.vocab_size,
+            "base_model_name_or_path": target.path.display().to_string(),
+        });
+        crate::files::write_atomic(&dir.join("config.json"), cfg.to_string().as_bytes())
+    }
+
+    /// Read the Medusa format. Heads whose projection equals the target's lm_head become shared.
+    pub fn import_medusa(dir: &Path, target: &Target) -> Result<Self> {
+        let cfg_path = dir.join("config.json");
+        let w_path = dir.join("medusa_lm_head.safetensors");
+        let s = std::fs::read_to_string(&cfg_path).map_err(|e| Error::io(&cfg_path, e))?;
+        let c: serde_json::Value = serde_json::from_str(&s).map_err(|e| Error::bad_file(&cfg_path, format!("invalid JSON: {e}")))?;
+        let get = |k: &str| c[k].as_u64().map(|v| v as usize).ok_or_else(|| Error::bad_file(&cfg_path, format!("missing '{k}'")));
+        let (k_heads, layers) = (get("medusa_num_heads")?, get("medusa_num_layers")?);
+        let ts = candle_core::safetensors::load(&w_path, &Device::Cpu).map_err(|e| Error::bad_file(&w_path, format!("not a readable safetensors file: {e}")))?;
+        let mcfg = target.model.config();
+        let lm = target.model.lm_head().weight().to_device(&Device::Cpu)?;
+        let mut own = false;
+        let mut renamed = HashMap::new();
+        for k in 0..k_heads {
+            for l in 0..layers {
+                for p in ["weight", "bias"] {
+                    let t = ts.get(&format!("{k}.{l}.linear.{p}")).ok_or_else(|| Error::bad_file(&w_path, format!("missing tensor {k}.{l}.linear.{p}")))?;
+                    renamed.insert(format!("heads.{k}.blocks.{l}.{p}"), t.to_dtype(DType::F32)?);
+                }
+            }
+            let w = ts.get(&format!("{k}.{layers}.weight")).ok_or_else(|| Error::bad_file(&w_path, format!("missing tensor {k}.{layers}.weight")))?;
+            let w = w.to_dtype(DType::F32)?;
+            if w.dims() != [mcfg.vocab_size, mcfg.hidden_size] {
+                return Err(Error::HeadsMismatch {
+                    heads: dir.to_path_buf(),
+                    heads_target: format!("vocab x hidden {:?}", w.dims()),
+                    model_target: format!("vocab x hidden [{}, {}]", mcfg.vocab_size, mcfg.hidden_size),
+                });
+            }
+            let same = w.sub(&lm)?.abs()?.max_all()?.to_scalar::<f32>()? == 0.0;
+            own |= !same;
+            renamed.insert(format!("heads.{k}.lm_head.weight"), w);
+        }
+        if !own {
+            renamed.retain(|k, _| !k.ends_with("lm_head.weight"));
+        }
+        let cfg = HeadsConfig {
+            num_heads: k_heads,
+            num_layers: layers,
+            hidden_size: mcfg.hidden_size,
+            vocab_size: mcfg.vocab_size,
+            own_lm_head: own,
+            target: target.fingerprint()?,
+            draft_vocab_size: None,
+            token_aware: false,
+            recipe: serde_json::json!({"imported_from": dir.display().to_string()}),
+        };
+        let vb = VarBuilder::from_tensors(renamed, DType::F32, target.model.device());
+        let mut heads = Self::load(vb, &cfg)?;
+        heads.set_draft_format(target.model.weight_format())?;
+        Ok(heads)
+    }
+}
+

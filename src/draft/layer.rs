@@ -1,0 +1,471 @@
+//! An EAGLE-style draft layer: one Llama decoder layer that runs on the target's own features.
+//!
+//! Medusa heads guess token t+k+2 from the hidden state at t alone, so a deep guess cannot know
+//! what the shallower guesses were; on a small target their accuracy falls fast with depth. The
+//! draft layer is autoregressive at the feature level (EAGLE): from the target's feature f_t and
+//! the embedding of the token x_{t+1} it predicts the next feature f_{t+1}, which the target's
+//! lm_head turns into a guess for x_{t+2}; that guess and the predicted feature feed the next
+//! step. It attends over its own KV cache of the whole prefix, so it sees context the heads
+//! cannot. Verification is unchanged, so output stays exactly the target's.
+//!
+//! Pair j of the draft sequence is (f_j, x_{j+1}) at position j: the draft KV cache always
+//! holds one pair per token in the target's cache, all built from real target features.
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor, D};
+use candle_nn::{VarBuilder, VarMap};
+use rand::Rng;
+use serde::{Deserialize, Serialize};
+
+use crate::cpu::TreeMask;
+use crate::model::kv_cache::KvCache;
+use crate::model::loader::{Fingerprint, Target};
+use crate::model::{Config, Linear, Llama};
+use crate::cpu::quant::WeightFormat;
+use crate::{Error, Result};
+
+pub const LAYER_WEIGHTS_FILE: &str = "draft.safetensors";
+pub const LAYER_CONFIG_FILE: &str = "draft.json";
+
+/// How `save_as` stores the weights. Q8 keeps a committed layer at about a quarter of its f32
+/// size (blocks of 32 values, one f16 scale each, as GGUF's Q8_0); drafts need not be exact, so
+/// the rounding costs no correctness, only a hair of accuracy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreFormat {
+    F32,
+    F16,
+    Q8,
+}
+
+const Q8_BLOCK: usize = 32;
+const Q8_SUFFIX: &str = ".q8";
+const Q8_SCALE_SUFFIX: &str = ".q8scale";
+
+/// Matrices whose rows split into whole blocks, as (codes + 128 in u8, f16 scale per block).
+fn quantize_q8(t: &Tensor) -> Result<Option<(Tensor, Tensor)>> {
+    let (rows, cols) = match t.dims() {
+        &[r, c] if c % Q8_BLOCK == 0 => (r, c),
+        _ => return Ok(None),
+    };
+    let v: Vec<f32> = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+    let mut codes = Vec::with_capacity(v.len());
+    let mut scales = Vec::with_capacity(v.len() / Q8_BLOCK);
+    for block in v.chunks(Q8_BLOCK) {
+        let amax = block.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let d = half::f16::from_f32(amax / 127.0);
+        let inv = if d.to_f32() > 0.0 { 1.0 / d.to_f32() } else { 0.0 };
+        codes.extend(block.iter().map(|x| ((x * inv).round().clamp(-127.0, 127.0) as i32 + 128) as u8));
+        scales.push(d);
+    }
+    let device = t.device();
+    Ok(Some((Tensor::from_vec(codes, (rows, cols), device)?, Tensor::from_vec(scales, (rows, cols / Q8_BLOCK), device)?)))
+}
+
+/// Turn stored Q8 pairs back into f32 tensors under their own names; other tensors pass through.
+fn dequantize_stored(mut ts: HashMap<String, Tensor>) -> std::result::Result<HashMap<String, Tensor>, String> {
+    let names: Vec<String> = ts.keys().filter_map(|k| k.strip_suffix(Q8_SUFFIX).map(str::to_string)).collect();
+    for n in names {
+        let q = ts.remove(&format!("{n}{Q8_SUFFIX}")).expect("listed above");
+        let scale = ts.remove(&format!("{n}{Q8_SCALE_SUFFIX}")).ok_or_else(|| format!("{n}: 8-bit codes without their scales"))?;
+        let (rows, cols) = q.dims2().map_err(|e| format!("{n}: {e}"))?;
+        if q.dtype() != DType::U8 || scale.dims() != [rows, cols / Q8_BLOCK] || cols % Q8_BLOCK != 0 {
+            return Err(format!("{n}: 8-bit codes {:?} {:?} do not match scales {:?}", q.dtype(), q.dims(), scale.dims()));
+        }
+        let w = (|| -> candle_core::Result<Tensor> {
+            let codes = (q.to_dtype(DType::F32)? - 128.0)?.reshape((rows, cols / Q8_BLOCK, Q8_BLOCK))?;
+            let s = scale.to_dtype(DType::F32)?.unsqueeze(2)?;
+            codes.broadcast_mul(&s)?.reshape((rows, cols))
+        })()
+        .map_err(|e| format!("{n}: {e}"))?;
+        ts.insert(n, w);
+    }
+    Ok(ts)
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DraftLayerConfig {
+    /// The layer as a one-layer Llama whose vocabulary is the draft vocabulary.
+    pub layer: Config,
+    /// Which target it was trained for.
+    pub target: Fingerprint,
+    /// How it was made (command line, data, accuracy): free-form, for the record.
+    #[serde(default)]
+    pub recipe: serde_json::Value,
+}
+
+impl DraftLayerConfig {
+    /// A layer shaped like one of `target`'s, scoring `draft_vocab` tokens.
+    pub fn for_target(target: &Target, draft_vocab: usize) -> Result<Self> {
+        let mut layer = target.model.config().clone();
+        layer.num_layers = 1;
+        layer.vocab_size = draft_vocab;
+        layer.tie_embeddings = true;
+        layer.attention_bias = false;
+        Ok(DraftLayerConfig { layer, target: target.fingerprint()?, recipe: serde_json::Value::Null })
+    }
+}
+
+/// Names of the trained tensors (Hugging Face layout for the decoder layer).
+pub fn tensor_names(cfg: &Config) -> Vec<(String, Vec<usize>)> {
+    let (d, i) = (cfg.hidden_size, cfg.intermediate_size);
+    let (q, kv) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
+    let l = "model.layers.0.";
+    vec![
+        ("fc.weight".into(), vec![d, 2 * d]),
+        ("fc.bias".into(), vec![d]),
+        (format!("{l}input_layernorm.weight"), vec![d]),
+        (format!("{l}self_attn.q_proj.weight"), vec![q, d]),
+        (format!("{l}self_attn.k_proj.weight"), vec![kv, d]),
+        (format!("{l}self_attn.v_proj.weight"), vec![kv, d]),
+        (format!("{l}self_attn.o_proj.weight"), vec![d, q]),
+        (format!("{l}post_attention_layernorm.weight"), vec![d]),
+        (format!("{l}mlp.gate_proj.weight"), vec![i, d]),
+        (format!("{l}mlp.up_proj.weight"), vec![i, d]),
+        (format!("{l}mlp.down_proj.weight"), vec![d, i]),
+        ("model.norm.weight".into(), vec![d]),
+    ]
+}
+
+/// The inference copy: fast CPU kernels, a KV cache per generation.
+pub struct DraftLayer {
+    cfg: DraftLayerConfig,
+    /// `[f, e] -> d`: mixes the feature with the next token's embedding.
+    fc: Linear,
+    /// The decoder layer, its final norm and the draft-vocabulary slice of the target's lm_head.
+    llama: Llama,
+    /// Token id of each draft-vocabulary slot, ascending.
+    ids: Vec<u32>,
+    tensors: HashMap<String, Tensor>,
+}
+
+impl DraftLayer {
+    /// Build from trained tensors (names of [`tensor_names`]) and the draft vocabulary's ids.
+    pub fn from_tensors(tensors: HashMap<String, Tensor>, ids: Vec<u32>, cfg: DraftLayerConfig, target: &Llama) -> Result<Self> {
+        let tcfg = target.config();
+        if cfg.layer.hidden_size != tcfg.hidden_size || ids.len() != cfg.layer.vocab_size {
+            return Err(Error::InvalidArgument(format!(
+                "draft layer of width {} over {} tokens does not fit a target of width {} ({} ids given)",
+                cfg.layer.hidden_size,
+                cfg.layer.vocab_size,
+                tcfg.hidden_size,
+                ids.len()
+            )));
+        }
+        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= tcfg.vocab_size) {
+            return Err(Error::InvalidArgument(format!("draft vocabulary holds token {bad}, beyond the target's {}", tcfg.vocab_size)));
+        }
+        for (name, shape) in tensor_names(&cfg.layer) {
+            match tensors.get(&name) {
+                Some(t) if t.dims() == shape.as_slice() => {}
+                Some(t) => return Err(Error::InvalidArgument(format!("{name} has shape {:?}, expected {shape:?}", t.dims()))),
+                None => return Err(Error::InvalidArgument(format!("missing tensor {name}"))),
+            }
+        }
+        let device = target.device().clone();
+        let mut map: HashMap<String, Tensor> = HashMap::new();
+        for (k, v) in &tensors {
+            map.insert(k.clone(), v.to_dtype(DType::F32)?.to_device(&device)?);
+        }
+        // The layer's "embedding" and lm_head: the target's lm_head rows of the draft vocabulary
+        // (the embedding is never read: inputs come through `fc`).
+        let idx = Tensor::new(ids.as_slice(), &device)?;
+        let lm = target.lm_head().weight().index_select(&idx, 0)?.contiguous()?;
+        map.insert("model.embed_tokens.weight".into(), lm);
+        let fc = Linear::new_packed(map["fc.weight"].clone(), Some(map["fc.bias"].clone()))?;
+        let llama = Llama::load(VarBuilder::from_tensors(map.clone(), DType::F32, &device), &cfg.layer)?;
+        let tensors = tensor_names(&cfg.layer).into_iter().map(|(n, _)| (n.clone(), map[&n].clone())).collect();
+        Ok(DraftLayer { cfg, fc, llama, ids, tensors })
+    }
+
+    /// Load `draft.json` + `draft.safetensors` from `dir` for `target`, refusing a layer
+    /// trained for another model.
+    pub fn from_dir(dir: &Path, target: &Target) -> Result<Self> {
+        let cfg_path = dir.join(LAYER_CONFIG_FILE);
+        let w_path = dir.join(LAYER_WEIGHTS_FILE);
+        let s = std::fs::read_to_string(&cfg_path).map_err(|e| Error::io(&cfg_path, e))?;
+        let cfg: DraftLayerConfig = serde_json::from_str(&s).map_err(|e| Error::bad_file(&cfg_path, format!("invalid draft layer config: {e}")))?;
+        let fp = target.fingerprint()?;
+        if cfg.target != fp {
+            return Err(Error::HeadsMismatch { heads: dir.to_path_buf(), heads_target: cfg.target.to_string(), model_target: fp.to_string() });
+        }
+        cfg.layer.validate().map_err(|e| Error::bad_file(&cfg_path, e))?;
+        let ts = candle_core::safetensors::load(&w_path, &Device::Cpu).map_err(|e| Error::bad_file(&w_path, format!("not a readable safetensors file: {e}")))?;
+        let mut ts = dequantize_stored(ts).map_err(|e| Error::bad_file(&w_path, e))?;
+        let ids = ts.remove("draft_vocab").ok_or_else(|| Error::bad_file(&w_path, "no draft_vocab tensor"))?;
+        let ids: Vec<u32> = ids.to_dtype(DType::F32)?.to_vec1::<f32>()?.into_iter().map(|x| x as u32).collect();
+        let mut layer = Self::from_tensors(ts, ids, cfg, &target.model).map_err(|e| Error::bad_file(&w_path, e.to_string()))?;
+        layer.set_format(target.model.weight_format())?;
+        Ok(layer)
+    }
+
+    /// Write `draft.safetensors` (weights stored as `store` says) and `draft.json` into `dir`,
+    /// each atomically.
+    pub fn save_as(&self, dir: &Path, store: StoreFormat) -> Result<()> {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        let mut ts: HashMap<String, Tensor> = HashMap::new();
+        for (n, t) in &self.tensors {
+            match store {
+                StoreFormat::F32 => {
+                    ts.insert(n.clone(), t.clone());
+                }
+                StoreFormat::F16 => {
+                    ts.insert(n.clone(), t.to_dtype(DType::F16)?);
+                }
+                StoreFormat::Q8 => match quantize_q8(t)? {
+                    Some((q, scale)) => {
+                        ts.insert(format!("{n}{Q8_SUFFIX}"), q);
+                        ts.insert(format!("{n}{Q8_SCALE_SUFFIX}"), scale);
+                    }
+                    None => {
+                        ts.insert(n.clone(), t.to_dtype(DType::F16)?);
+                    }
+                },
+            }
+        }
+        let v: Vec<f32> = self.ids.iter().map(|&i| i as f32).collect();
+        ts.insert("draft_vocab".into(), Tensor::from_vec(v, self.ids.len(), &Device::Cpu)?);
+        let tmp = dir.join(format!("{LAYER_WEIGHTS_FILE}.tmp"));
+        candle_core::safetensors::save(&ts, &tmp)?;
+        std::fs::rename(&tmp, dir.join(LAYER_WEIGHTS_FILE)).map_err(|e| Error::io(dir.join(LAYER_WEIGHTS_FILE), e))?;
+        let json = serde_json::to_string_pretty(&self.cfg).expect("config serialises");
+        crate::files::write_atomic(&dir.join(LAYER_CONFIG_FILE), json.as_bytes())
+    }
+
+    /// Fast-path format of every projection. `Native` means 4-bit blocks (Q4_1) of every
+    /// matrix, the draft vocabulary's slice of lm_head included: the layer has no GGUF blocks of
+    /// its own, and drafts need not be exact (verification decides what is emitted). Why 4-bit:
+    /// a level reads the layer's and the slice's weights again, and from 8-bit blocks that was
+    /// 0.2 ms of a 2.3 ms native step; 4-bit blocks cut drafting and the drafter's commit by a
+    /// fifth to a third with τ within 0.03 (12 bundled prompts, native and f32 targets).
+    pub fn set_format(&mut self, format: WeightFormat) -> Result<()> {
+        if format != WeightFormat::Native || !self.fc.weight().device().is_cpu() {
+            // Off the CPU the formats fall back to candle's f32, as for the target.
+            let format = if format == WeightFormat::Native { WeightFormat::Q8_0 } else { format };
+            self.fc.set_format(format, None)?;
+            return self.llama.set_weights(format, &crate::model::NativeWeights::new());
+        }
+        let q4 = |t: &Tensor| -> Result<crate::cpu::quant::QuantRows> {
+            let (n, k) = t.dims2()?;
+            crate::cpu::quant::QuantRows::quantize_q4_1(&t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?, n, k)
+        };
+        let mut blocks = crate::model::NativeWeights::new();
+        for (name, t) in &self.tensors {
+            if t.rank() == 2 && name != "fc.weight" {
+                blocks.insert(name.clone(), crate::model::NativeWeight::Blocks(q4(t)?));
+            }
+        }
+        blocks.insert("model.embed_tokens.weight".into(), crate::model::NativeWeight::Blocks(q4(self.llama.lm_head().weight())?));
+        self.fc.set_format(WeightFormat::Native, Some(&q4(self.fc.weight())?))?;
+        self.llama.set_weights(WeightFormat::Native, &blocks)
+    }
+
+    pub fn with_recipe(mut self, recipe: serde_json::Value) -> Self {
+        self.cfg.recipe = recipe;
+        self
+    }
+    pub fn config(&self) -> &DraftLayerConfig {
+        &self.cfg
+    }
+    /// The trained tensors by name (f32), e.g. to continue training from them.
+    pub fn weights(&self) -> &HashMap<String, Tensor> {
+        &self.tensors
+    }
+    pub fn draft_vocab(&self) -> &[u32] {
+        &self.ids
+    }
+
+    pub fn new_cache(&self) -> Result<KvCache> {
+        self.llama.new_cache()
+    }
+
+    /// Predicted next features `[T, d]` for pairs (feature `feats[i]`, token `tokens[i]`) at
+    /// `positions`, attending to everything in `cache` and to each other as `mask` says.
+    pub fn forward(&self, feats: &Tensor, tokens: &[u32], positions: &[usize], mask: &TreeMask, cache: &mut KvCache, target: &Llama) -> Result<Tensor> {
+        self.forward_after(feats, tokens, positions, mask, 0, cache, target)
+    }
+
+    /// [`DraftLayer::forward`] for one level of a growing draft tree: the last `tail` slots of
+    /// `cache` hold the tree's earlier levels, and `mask` covers them and then the new pairs
+    /// (see [`Llama::forward_embeds_after`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_after(&self, feats: &Tensor, tokens: &[u32], positions: &[usize], mask: &TreeMask, tail: usize, cache: &mut KvCache, target: &Llama) -> Result<Tensor> {
+        if feats.dim(0)? != tokens.len() {
+            return Err(Error::InvalidArgument(format!("draft layer: {} features for {} tokens", feats.dim(0)?, tokens.len())));
+        }
+        let e = target.embed(tokens)?;
+        let x = Tensor::cat(&[feats, &e], 1)?.contiguous()?;
+        let x = self.fc.forward(&x)?;
+        self.llama.forward_embeds_after(&x, positions, mask, tail, cache)
+    }
+
+    /// Each row's top-`k` guesses for the next token as (token id, probability within the draft
+    /// vocabulary), best first.
+    pub fn top_k(&self, feats: &Tensor, k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
+        let logits = self.llama.logits(feats)?;
+        let rows = crate::cpu::reduce::top_k_rows(&logits, k)?;
+        Ok(rows.into_iter().map(|r| r.into_iter().map(|(i, p)| (self.ids[i as usize], p)).collect()).collect())
+    }
+}
+
+/// The trainable copy: variables in a [`VarMap`], a forward made of differentiable candle ops
+/// only (the inference kernels have no backward pass), and the same arithmetic as
+/// [`DraftLayer::forward`] up to rounding.
+pub struct TrainLayer {
+    pub cfg: DraftLayerConfig,
+    w: HashMap<String, Tensor>,
+    /// Draft-vocabulary slice of the target's lm_head (frozen).
+    pub proj: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl TrainLayer {
+    /// Fresh variables in `varmap`, initialised from `seed` (so a resumed run can rebuild the
+    /// same start): small random projections, unit norms, and an `fc` that starts by passing the
+    /// feature through.
+    pub fn init(varmap: &VarMap, cfg: DraftLayerConfig, ids: &[u32], target: &Llama, seed: u64) -> Result<Self> {
+        let device = target.device().clone();
+        let mut rng = crate::decode::sampling::rng(seed ^ 0xea61e);
+        let d = cfg.layer.hidden_size;
+        let mut w = HashMap::new();
+        {
+            let mut data = varmap.data().lock().unwrap();
+            for (name, shape) in tensor_names(&cfg.layer) {
+                let n: usize = shape.iter().product();
+                let values: Vec<f32> = if name.ends_with("norm.weight") {
+                    vec![1.0; n]
+                } else if name == "fc.bias" {
+                    vec![0.0; n]
+                } else if name == "fc.weight" {
+                    // [I | small noise]: start from "the next feature is like this one".
+                    (0..n).map(|i| {
+                        let (r, c) = (i / (2 * d), i % (2 * d));
+                        if c == r { 1.0 } else { (rng.random::<f32>() - 0.5) * 0.02 }
+                    }).collect()
+                } else {
+                    let fan_in = shape[1] as f32;
+                    let a = (3.0 / fan_in).sqrt() * 0.5;
+                    (0..n).map(|_| (rng.random::<f32>() * 2.0 - 1.0) * a).collect()
+                };
+                let var = candle_core::Var::from_tensor(&Tensor::from_vec(values, shape.as_slice(), &device)?)?;
+                w.insert(name.clone(), var.as_tensor().clone());
+                data.insert(name, var);
+            }
+        }
+        let idx = Tensor::new(ids, &device)?;
+        let proj = target.lm_head().weight().index_select(&idx, 0)?.contiguous()?;
+        let (cos, sin) = crate::model::rope_tables(&cfg.layer, &device)?;
+        Ok(TrainLayer { cfg, w, proj, cos, sin })
+    }
+
+    /// Predicted features `[T, d]` for one sequence of pairs (`feats[t]`, `embs[t]`) at positions
+    /// 0..T, causally.
+    pub fn forward(&self, feats: &Tensor, embs: &Tensor) -> Result<Tensor> {
+        Ok(self.forward_unrolled(feats, std::slice::from_ref(embs))?.remove(0))
+    }
+
+    /// Training-time test (EAGLE-3): step 0 runs the pairs (f_t, e_{t+1}) as [`Self::forward`];
+    /// step s feeds row t its own step s-1 prediction with the embedding `embs[s][t]`, at
+    /// position t+s, attending to the real pairs 0..=t and to its own chain of earlier steps,
+    /// exactly as a chain drafted at inference would. Returns the predictions of every step.
+    pub fn forward_unrolled(&self, feats: &Tensor, embs: &[Tensor]) -> Result<Vec<Tensor>> {
+        let c = &self.cfg.layer;
+        let t = feats.dim(0)?;
+        let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
+        let eps = c.rms_norm_eps as f32;
+        let w = |n: &str| -> &Tensor { &self.w[n] };
+        let lin = |x: &Tensor, n: &str| -> Result<Tensor> { Ok(x.matmul(&w(n).t()?)?) };
+        let l = "model.layers.0.";
+        let group = nh / nkv;
+        // [t, nkv, hd] -> [nh, t, hd]
+        let expand = |x: &Tensor| -> Result<Tensor> {
+            let x = x.transpose(0, 1)?;
+            Ok(x.unsqueeze(1)?.expand((nkv, group, t, hd))?.reshape((nh, t, hd))?)
+        };
+        let mask: Vec<f32> = (0..t * t).map(|i| if i % t <= i / t { 0.0 } else { -1e9 }).collect();
+        let mask = Tensor::from_vec(mask, (t, t), feats.device())?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let mut kv0: Option<(Tensor, Tensor)> = None;
+        let mut chain: Vec<(Tensor, Tensor)> = Vec::new();
+        let mut f = feats.clone();
+        let mut outs = Vec::with_capacity(embs.len());
+        for (s, e) in embs.iter().enumerate() {
+            if s + t > self.cos.dim(0)? {
+                return Err(Error::InvalidArgument(format!("sequence of {t} pairs unrolled {s} steps passes the rope table")));
+            }
+            let x = Tensor::cat(&[&f, e], 1)?;
+            let x = lin(&x, "fc.weight")?.broadcast_add(w("fc.bias"))?;
+            let h = candle_nn::ops::rms_norm_slow(&x, w(&format!("{l}input_layernorm.weight")), eps)?;
+            let q = lin(&h, &format!("{l}self_attn.q_proj.weight"))?.reshape((t, nh, hd))?;
+            let k = lin(&h, &format!("{l}self_attn.k_proj.weight"))?.reshape((t, nkv, hd))?;
+            let v = lin(&h, &format!("{l}self_attn.v_proj.weight"))?.reshape((t, nkv, hd))?;
+            let (cos, sin) = (self.cos.narrow(0, s, t)?, self.sin.narrow(0, s, t)?);
+            let (q, k) = (rope(&q, &cos, &sin)?, rope(&k, &cos, &sin)?);
+            let q = q.transpose(0, 1)?.contiguous()?; // [nh, t, hd]
+            let (k, v) = (expand(&k)?.contiguous()?, expand(&v)?.contiguous()?);
+            if s == 0 {
+                kv0 = Some((k, v));
+            } else {
+                chain.push((k, v));
+            }
+            let (k0, v0) = kv0.as_ref().expect("step 0 ran first");
+            let mut scores = vec![(q.matmul(&k0.t()?)? * scale)?.broadcast_add(&mask)?];
+            for (kj, _) in &chain {
+                scores.push(((&q * kj)?.sum_keepdim(D::Minus1)? * scale)?);
+            }
+            let p = candle_nn::ops::softmax(&Tensor::cat(&scores, D::Minus1)?, D::Minus1)?;
+            let mut a = p.narrow(D::Minus1, 0, t)?.matmul(v0)?;
+            for (j, (_, vj)) in chain.iter().enumerate() {
+                a = (a + p.narrow(D::Minus1, t + j, 1)?.broadcast_mul(vj)?)?;
+            }
+            let a = a.transpose(0, 1)?.reshape((t, nh * hd))?;
+            let x = (x + lin(&a, &format!("{l}self_attn.o_proj.weight"))?)?;
+            let h = candle_nn::ops::rms_norm_slow(&x, w(&format!("{l}post_attention_layernorm.weight")), eps)?;
+            let g = lin(&h, &format!("{l}mlp.gate_proj.weight"))?;
+            let u = lin(&h, &format!("{l}mlp.up_proj.weight"))?;
+            let m = lin(&(g.silu()? * u)?, &format!("{l}mlp.down_proj.weight"))?;
+            f = candle_nn::ops::rms_norm_slow(&(x + m)?, w("model.norm.weight"), eps)?;
+            outs.push(f.clone());
+        }
+        Ok(outs)
+    }
+
+    /// Draft-vocabulary logits of predicted features.
+    pub fn logits(&self, f: &Tensor) -> Result<Tensor> {
+        Ok(f.matmul(&self.proj.t()?)?)
+    }
+
+    /// The current weights, detached, for [`DraftLayer::from_tensors`].
+    pub fn tensors(&self) -> Result<HashMap<String, Tensor>> {
+        self.w.iter().map(|(k, v)| Ok((k.clone(), v.detach().copy()?))).collect()
+    }
+}
+
+/// Rotary embedding (non-interleaved halves, as Llama) of `x [t, heads, hd]` from differentiable ops.
+fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let hd = x.dim(2)?;
+    let half = hd / 2;
+    let (x1, x2) = (x.narrow(2, 0, half)?, x.narrow(2, half, half)?);
+    let (c, s) = (cos.unsqueeze(1)?, sin.unsqueeze(1)?);
+    let a = (x1.broadcast_mul(&c)? - x2.broadcast_mul(&s)?)?;
+    let b = (x1.broadcast_mul(&s)? + x2.broadcast_mul(&c)?)?;
+    Ok(Tensor::cat(&[a, b], 2)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rope_matches_candle() {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 1.0, (5, 3, 8), &dev).unwrap();
+        let cos = Tensor::randn(0f32, 1.0, (5, 4), &dev).unwrap();
+        let sin = Tensor::randn(0f32, 1.0, (5, 4), &dev).unwrap();
+        let ours = rope(&x, &cos, &sin).unwrap();
+        let theirs = candle_nn::rotary_emb::rope_thd(&x.unsqueeze(0).unwrap(), &cos, &sin).unwrap().squeeze(0).unwrap();
+        let diff = (ours - theirs).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        assert!(diff < 1e-5, "{diff}");
+    }
+}

@@ -1,0 +1,213 @@
+//! Tiny random models written to disk in both formats, so tests (and users trying the tool
+//! without a download) have a real target to load. The same weights go into the GGUF (in
+//! llama.cpp's permuted q/k layout) and into the safetensors directory.
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+
+use crate::model::loader::{permute_qk, GGUF_LAYER_TENSORS};
+use crate::model::Config;
+use crate::{Error, Result};
+
+/// GPT-2's reversible map from bytes to printable characters, used by byte-level BPE vocabularies.
+pub fn byte_to_char() -> Vec<char> {
+    let mut printable: Vec<u32> = (33..=126).chain(161..=172).chain(174..=255).collect();
+    let mut map = vec!['\0'; 256];
+    let mut extra = 0;
+    for b in 0..256u32 {
+        if !printable.contains(&b) {
+            map[b as usize] = char::from_u32(256 + extra).unwrap();
+            extra += 1;
+        }
+    }
+    printable.sort();
+    for &b in &printable {
+        map[b as usize] = char::from_u32(b).unwrap();
+    }
+    map
+}
+
+/// A byte-level vocabulary: 256 bytes, a few merges, and ChatML's special tokens.
+pub fn tiny_vocab() -> (Vec<String>, Vec<String>, Vec<i32>) {
+    let b2c = byte_to_char();
+    let mut tokens: Vec<String> = (0..256).map(|b| b2c[b].to_string()).collect();
+    let sp = b2c[b' ' as usize];
+    let merges_pairs = [("t", "h"), ("th", "e"), (&*format!("{sp}"), "t"), ("i", "n"), ("a", "n"), ("e", "r"), ("o", "n")];
+    let mut merges = Vec::new();
+    for (a, b) in merges_pairs {
+        merges.push(format!("{a} {b}"));
+        tokens.push(format!("{a}{b}"));
+    }
+    let mut types = vec![1; tokens.len()];
+    for s in ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] {
+        tokens.push(s.to_string());
+        types.push(3);
+    }
+    (tokens, merges, types)
+}
+
+pub const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+/// A small Llama config with the tiny vocabulary.
+pub fn tiny_config() -> Config {
+    Config {
+        architecture: "llama".into(),
+        vocab_size: tiny_vocab().0.len(),
+        hidden_size: 64,
+        intermediate_size: 128,
+        num_layers: 2,
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 16,
+        rms_norm_eps: 1e-5,
+        rope_theta: 10000.0,
+        max_position: 512,
+        tie_embeddings: false,
+        attention_bias: false,
+        bos_token_id: None,
+        eos_token_ids: vec![],
+    }
+}
+
+/// Random weights with Hugging Face names; scaled so activations stay in a sane range.
+pub fn random_weights(cfg: &Config, seed: u64) -> Result<HashMap<String, Tensor>> {
+    let dev = Device::Cpu;
+    let mut state = seed.wrapping_mul(0x9E3779B97F4A7C15).wrapping_add(1);
+    let mut rnd = |shape: (usize, usize), scale: f32| -> Result<Tensor> {
+        let n = shape.0 * shape.1;
+        let v: Vec<f32> = (0..n)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0 * scale
+            })
+            .collect();
+        Ok(Tensor::from_vec(v, shape, &dev)?)
+    };
+    let (d, f, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+    let (qd, kd) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
+    let s = |fan_in: usize| 1.5 / (fan_in as f32).sqrt();
+    let mut w = HashMap::new();
+    w.insert("model.embed_tokens.weight".into(), rnd((v, d), 1.0)?);
+    for i in 0..cfg.num_layers {
+        let p = format!("model.layers.{i}");
+        w.insert(format!("{p}.self_attn.q_proj.weight"), rnd((qd, d), s(d))?);
+        w.insert(format!("{p}.self_attn.k_proj.weight"), rnd((kd, d), s(d))?);
+        w.insert(format!("{p}.self_attn.v_proj.weight"), rnd((kd, d), s(d))?);
+        w.insert(format!("{p}.self_attn.o_proj.weight"), rnd((d, qd), s(qd))?);
+        w.insert(format!("{p}.mlp.gate_proj.weight"), rnd((f, d), s(d))?);
+        w.insert(format!("{p}.mlp.up_proj.weight"), rnd((f, d), s(d))?);
+        w.insert(format!("{p}.mlp.down_proj.weight"), rnd((d, f), s(f))?);
+        w.insert(format!("{p}.input_layernorm.weight"), (rnd((1, d), 0.2)?.squeeze(0)? + 1.0)?);
+        w.insert(format!("{p}.post_attention_layernorm.weight"), (rnd((1, d), 0.2)?.squeeze(0)? + 1.0)?);
+    }
+    w.insert("model.norm.weight".into(), (rnd((1, d), 0.2)?.squeeze(0)? + 1.0)?);
+    if !cfg.tie_embeddings {
+        w.insert("lm_head.weight".into(), rnd((v, d), s(d) * 4.0)?);
+    }
+    Ok(w)
+}
+
+/// Write `weights` as a llama-architecture GGUF (f32 tensors) with the tiny tokenizer.
+pub fn write_gguf(path: &Path, cfg: &Config, weights: &HashMap<String, Tensor>) -> Result<()> {
+    write_gguf_as(path, cfg, weights, GgmlDType::F32)
+}
+
+/// [`write_gguf`] with the matrices (projections, embeddings, output) stored as `dtype`, e.g.
+/// Q4_1 like the SmolLM2 GGUF; norms stay f32 as llama.cpp's converter keeps them.
+pub fn write_gguf_as(path: &Path, cfg: &Config, weights: &HashMap<String, Tensor>, dtype: GgmlDType) -> Result<()> {
+    use gguf_file::Value as V;
+    let (tokens, merges, types) = tiny_vocab();
+    let strs = |v: &[String]| V::Array(v.iter().map(|s| V::String(s.clone())).collect());
+    let md: Vec<(&str, V)> = vec![
+        ("general.architecture", V::String("llama".into())),
+        ("llama.embedding_length", V::U32(cfg.hidden_size as u32)),
+        ("llama.feed_forward_length", V::U32(cfg.intermediate_size as u32)),
+        ("llama.block_count", V::U32(cfg.num_layers as u32)),
+        ("llama.attention.head_count", V::U32(cfg.num_heads as u32)),
+        ("llama.attention.head_count_kv", V::U32(cfg.num_kv_heads as u32)),
+        ("llama.attention.layer_norm_rms_epsilon", V::F32(cfg.rms_norm_eps as f32)),
+        ("llama.rope.freq_base", V::F32(cfg.rope_theta as f32)),
+        ("llama.rope.dimension_count", V::U32(cfg.head_dim as u32)),
+        ("llama.context_length", V::U32(cfg.max_position as u32)),
+        ("tokenizer.ggml.model", V::String("gpt2".into())),
+        ("tokenizer.ggml.pre", V::String("smollm".into())),
+        ("tokenizer.ggml.tokens", strs(&tokens)),
+        ("tokenizer.ggml.merges", strs(&merges)),
+        ("tokenizer.ggml.token_type", V::Array(types.iter().map(|&t| V::I32(t)).collect())),
+        ("tokenizer.ggml.eos_token_id", V::U32(tokens.len() as u32 - 1)),
+        ("tokenizer.ggml.bos_token_id", V::U32(tokens.len() as u32 - 2)),
+        ("tokenizer.chat_template", V::String(CHATML.into())),
+    ];
+    let mut named: Vec<(String, Tensor)> = Vec::new();
+    let get = |n: &str| weights.get(n).cloned().ok_or_else(|| Error::InvalidArgument(format!("missing weight {n}")));
+    named.push(("token_embd.weight".into(), get("model.embed_tokens.weight")?));
+    named.push(("output_norm.weight".into(), get("model.norm.weight")?));
+    if !cfg.tie_embeddings {
+        named.push(("output.weight".into(), get("lm_head.weight")?));
+    }
+    for i in 0..cfg.num_layers {
+        let p = format!("model.layers.{i}");
+        let b = format!("blk.{i}");
+        named.push((format!("{b}.attn_q.weight"), permute_qk(&get(&format!("{p}.self_attn.q_proj.weight"))?, cfg.num_heads)?));
+        named.push((format!("{b}.attn_k.weight"), permute_qk(&get(&format!("{p}.self_attn.k_proj.weight"))?, cfg.num_kv_heads)?));
+        for (g, h) in GGUF_LAYER_TENSORS {
+            named.push((format!("{b}.{g}"), get(&format!("{p}.{h}"))?));
+        }
+    }
+    let qs: Vec<(String, QTensor)> = named
+        .into_iter()
+        .map(|(n, t)| {
+            let ty = if t.rank() == 2 { dtype } else { GgmlDType::F32 };
+            Ok((n, QTensor::quantize(&t, ty)?))
+        })
+        .collect::<Result<_>>()?;
+    let mdr: Vec<(&str, &V)> = md.iter().map(|(k, v)| (*k, v)).collect();
+    let qr: Vec<(&str, &QTensor)> = qs.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let mut f = std::fs::File::create(path).map_err(|e| Error::io(path, e))?;
+    gguf_file::write(&mut f, &mdr, &qr)?;
+    Ok(())
+}
+
+/// Write the same model as a Hugging Face directory (config.json, model.safetensors,
+/// tokenizer.json built from the tiny vocabulary, tokenizer_config.json with the chat template).
+pub fn write_hf(dir: &Path, cfg: &Config, weights: &HashMap<String, Tensor>) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let config = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_position,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "bos_token_id": cfg.vocab_size - 2, "eos_token_id": cfg.vocab_size - 1,
+    });
+    crate::files::write_atomic(&dir.join("config.json"), config.to_string().as_bytes())?;
+    candle_core::safetensors::save(weights, dir.join("model.safetensors"))?;
+    // The tokenizer JSON comes from the GGUF conversion path, so both formats tokenize alike.
+    let tmp = dir.join("tokenizer-source.gguf");
+    write_gguf(&tmp, cfg, weights)?;
+    let target = crate::model::loader::Target::load(&tmp, &Device::Cpu)?;
+    std::fs::remove_file(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    crate::files::write_atomic(&dir.join("tokenizer.json"), target.tokenizer.to_json().as_bytes())?;
+    let tc = serde_json::json!({"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": false, "chat_template": CHATML});
+    crate::files::write_atomic(&dir.join("tokenizer_config.json"), tc.to_string().as_bytes())?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[test]
+    fn byte_map_is_a_bijection() {
+        let m = byte_to_char();
+        let mut s: Vec<char> = m.clone();
+        s.sort();
+        s.dedup();
+        assert_eq!(s.len(), 256);
+        assert_eq!(m[b'a' as usize], 'a');
+        assert_eq!(m[b' ' as usize], '\u{120}');
+    }
+}

@@ -1,0 +1,463 @@
+//! Loading a target model from a GGUF file or a Hugging Face directory into one [`Target`].
+use std::collections::HashMap;
+use std::io::{Read, Seek};
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::gguf_file;
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use sha2::{Digest, Sha256};
+
+use candle_core::quantized::GgmlDType;
+
+use crate::model::{Config, Llama, NativeWeight, NativeWeights};
+use crate::cpu::quant::{QuantKind, QuantRows, WeightFormat};
+use crate::model::tokenizer::{ChatTemplate, Tokenizer};
+use crate::{Error, Result};
+
+/// A loaded target: the model, its tokenizer, its chat template and where it came from.
+pub struct Target {
+    pub model: Llama,
+    pub tokenizer: Tokenizer,
+    pub chat_template: Option<ChatTemplate>,
+    pub path: PathBuf,
+    /// What `--weights native` keeps per tensor (empty for Hugging Face models: f32).
+    pub native: NativeWeights,
+}
+
+impl Target {
+    /// `path` is a `.gguf` file, a Hugging Face model directory, or a `.safetensors` file inside one.
+    pub fn load(path: &Path, device: &Device) -> Result<Self> {
+        let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+        if meta.is_dir() {
+            return load_hf(path, device);
+        }
+        let mut f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        let mut magic = [0u8; 4];
+        let n = f.read(&mut magic).map_err(|e| Error::io(path, e))?;
+        if n == 4 && &magic == b"GGUF" {
+            return load_gguf(path, f, device);
+        }
+        if path.extension().is_some_and(|e| e == "safetensors") {
+            let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+            return load_hf(dir, device);
+        }
+        Err(Error::bad_file(path, "neither a GGUF file (no GGUF magic) nor a Hugging Face model directory"))
+    }
+
+    /// Load and switch the CPU fast path to `weights` (see [`WeightFormat`]).
+    pub fn load_with(path: &Path, device: &Device, weights: WeightFormat) -> Result<Self> {
+        let mut t = Self::load(path, device)?;
+        t.set_weights(weights)?;
+        Ok(t)
+    }
+
+    /// Switch the CPU fast path's weight format (GPUs keep candle's f32 kernels).
+    pub fn set_weights(&mut self, weights: WeightFormat) -> Result<()> {
+        let native = std::mem::take(&mut self.native);
+        let r = self.model.set_weights(weights, &native).map_err(|e| Error::bad_file(&self.path, e.to_string()));
+        self.native = native;
+        r
+    }
+
+    /// Render a single user prompt through the chat template, or fail if the model has none.
+    pub fn chat_prompt(&self, messages: &[crate::model::tokenizer::Message]) -> Result<String> {
+        let t = self.chat_template.as_ref().ok_or_else(|| Error::bad_file(&self.path, "the model has no chat template; drop --chat"))?;
+        t.render(messages, true, &self.tokenizer.bos_token, &self.tokenizer.eos_token)
+    }
+
+    /// A whole conversation as training and datastore text: through the chat template without a
+    /// generation prompt, or the turns joined by newlines for a model without one.
+    pub fn render_conversation(&self, messages: &[crate::model::tokenizer::Message]) -> Result<String> {
+        match &self.chat_template {
+            Some(t) => t.render(messages, false, &self.tokenizer.bos_token, &self.tokenizer.eos_token),
+            None => Ok(messages.iter().map(|x| x.content.as_str()).collect::<Vec<_>>().join("\n")),
+        }
+    }
+
+    /// Tokens for a prompt, through the chat template when `chat` is set.
+    pub fn encode_prompt(&self, prompt: &str, chat: bool) -> Result<Vec<u32>> {
+        if chat {
+            let text = self.chat_prompt(&[crate::model::tokenizer::Message { role: "user".into(), content: prompt.into() }])?;
+            self.tokenizer.encode(&text, false)
+        } else {
+            self.tokenizer.encode(prompt, true)
+        }
+    }
+
+    /// Identifies the target for heads files: architecture, sizes, and a hash of tokenizer and lm_head.
+    pub fn fingerprint(&self) -> Result<Fingerprint> {
+        let cfg = self.model.config();
+        let mut h = Sha256::new();
+        h.update(self.tokenizer.to_json().as_bytes());
+        let w = self.model.lm_head().weight();
+        // Hash a strided sample of lm_head: enough to tell models apart, cheap to compute.
+        let flat = w.flatten_all()?;
+        let n = flat.dim(0)?;
+        let step = (n / 4096).max(1);
+        let idx: Vec<u32> = (0..n).step_by(step).map(|i| i as u32).collect();
+        let sample: Vec<f32> = flat.index_select(&Tensor::new(idx.as_slice(), w.device())?, 0)?.to_vec1()?;
+        for x in sample {
+            // Round so the tiny differences between dequantisation paths do not matter.
+            h.update(((x * 1e4).round() as i64).to_le_bytes());
+        }
+        let hash = h.finalize();
+        Ok(Fingerprint {
+            architecture: cfg.architecture.clone(),
+            hidden_size: cfg.hidden_size,
+            vocab_size: cfg.vocab_size,
+            hash: hash.iter().take(8).map(|b| format!("{b:02x}")).collect(),
+        })
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Fingerprint {
+    pub architecture: String,
+    pub hidden_size: usize,
+    pub vocab_size: usize,
+    /// Hash of the tokenizer and lm_head.
+    pub hash: String,
+}
+
+impl std::fmt::Display for Fingerprint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} (hidden {}, vocab {}, hash {})", self.architecture, self.hidden_size, self.vocab_size, self.hash)
+    }
+}
+
+/// Per-layer tensors whose GGUF (`blk.N.*`) and Hugging Face (`model.layers.N.*`) names differ
+/// only by name; q/k also differ by a row permutation and are handled apart.
+pub const GGUF_LAYER_TENSORS: [(&str, &str); 7] = [
+    ("attn_v.weight", "self_attn.v_proj.weight"),
+    ("attn_output.weight", "self_attn.o_proj.weight"),
+    ("attn_norm.weight", "input_layernorm.weight"),
+    ("ffn_norm.weight", "post_attention_layernorm.weight"),
+    ("ffn_gate.weight", "mlp.gate_proj.weight"),
+    ("ffn_up.weight", "mlp.up_proj.weight"),
+    ("ffn_down.weight", "mlp.down_proj.weight"),
+];
+
+fn gguf_err(path: &Path, e: candle_core::Error) -> Error {
+    Error::bad_file(path, format!("not a readable GGUF file: {e}"))
+}
+
+/// GGUF stores Llama's q/k rows permuted for interleaved rotary embeddings; undo that so one
+/// (half-split) rope serves both formats.
+fn unpermute_qk(w: &Tensor, heads: usize) -> Result<Tensor> {
+    let (out, inp) = w.dims2()?;
+    let hd = out / heads;
+    Ok(w.reshape((heads, hd / 2, 2, inp))?.transpose(1, 2)?.reshape((out, inp))?.contiguous()?)
+}
+
+/// The row order [`unpermute_qk`] produces: output row `i` is input row `perm[i]`.
+fn unpermute_rows(heads: usize, head_dim: usize) -> Vec<usize> {
+    let half = head_dim / 2;
+    let mut perm = Vec::with_capacity(heads * head_dim);
+    for h in 0..heads {
+        for a in 0..2 {
+            for b in 0..half {
+                perm.push(h * head_dim + b * 2 + a);
+            }
+        }
+    }
+    perm
+}
+
+/// The inverse of `unpermute_qk`, for writing GGUF files in llama.cpp's layout.
+pub fn permute_qk(w: &Tensor, heads: usize) -> Result<Tensor> {
+    let (out, inp) = w.dims2()?;
+    let hd = out / heads;
+    Ok(w.reshape((heads, 2, hd / 2, inp))?.transpose(1, 2)?.reshape((out, inp))?.contiguous()?)
+}
+
+fn load_gguf(path: &Path, mut f: std::fs::File, device: &Device) -> Result<Target> {
+    f.rewind().map_err(|e| Error::io(path, e))?;
+    let file_size = f.metadata().map_err(|e| Error::io(path, e))?.len();
+    let mut r = std::io::BufReader::new(f);
+    let ct = gguf_file::Content::read(&mut r).map_err(|e| gguf_err(path, e))?;
+    let md = &ct.metadata;
+    let arch = md
+        .get("general.architecture")
+        .and_then(|v| v.to_string().ok())
+        .cloned()
+        .ok_or_else(|| Error::bad_file(path, "no general.architecture in the GGUF metadata"))?;
+    if !matches!(arch.as_str(), "llama" | "mistral" | "qwen2") {
+        return Err(Error::unsupported(path, format!("architecture '{arch}' (supported: llama, mistral, qwen2)")));
+    }
+    // Check every tensor lies inside the file before reading any: a truncated download is the
+    // most common broken GGUF and deserves a precise message.
+    for (name, info) in ct.tensor_infos.iter() {
+        let bytes = info.shape.elem_count() / info.ggml_dtype.block_size() * info.ggml_dtype.type_size();
+        let end = ct.tensor_data_offset + info.offset + bytes as u64;
+        if end > file_size {
+            return Err(Error::bad_file(path, format!("truncated: tensor {name} ends at byte {end} but the file has {file_size} bytes")));
+        }
+    }
+    let key = |k: &str| format!("{arch}.{k}");
+    let get_u = |k: &str| -> Result<usize> {
+        md.get(&key(k))
+            .and_then(|v| v.to_u32().ok().or_else(|| v.to_u64().ok().map(|x| x as u32)))
+            .map(|v| v as usize)
+            .ok_or_else(|| Error::bad_file(path, format!("GGUF metadata lacks {}", key(k))))
+    };
+    let get_f = |k: &str| md.get(&key(k)).and_then(|v| v.to_f32().ok());
+    let hidden = get_u("embedding_length")?;
+    let heads = get_u("attention.head_count")?;
+    let kv_heads = get_u("attention.head_count_kv").unwrap_or(heads);
+    let layers = get_u("block_count")?;
+    let ffn = get_u("feed_forward_length")?;
+    let ctx = get_u("context_length").unwrap_or(4096);
+    let tokenizer = Tokenizer::from_gguf(path, md)?;
+    let embd = ct.tensor_infos.get("token_embd.weight").ok_or_else(|| Error::bad_file(path, "no token_embd.weight tensor"))?;
+    let vocab = embd.shape.dims()[0];
+    let head_dim = md.get(&key("attention.key_length")).and_then(|v| v.to_u32().ok()).map(|v| v as usize).unwrap_or(hidden / heads.max(1));
+    let tie = !ct.tensor_infos.contains_key("output.weight");
+    let cfg = Config {
+        architecture: arch.clone(),
+        vocab_size: vocab,
+        hidden_size: hidden,
+        intermediate_size: ffn,
+        num_layers: layers,
+        num_heads: heads,
+        num_kv_heads: kv_heads,
+        head_dim,
+        rms_norm_eps: get_f("attention.layer_norm_rms_epsilon").unwrap_or(1e-5) as f64,
+        rope_theta: get_f("rope.freq_base").unwrap_or(10000.0) as f64,
+        max_position: ctx,
+        tie_embeddings: tie,
+        attention_bias: ct.tensor_infos.contains_key("blk.0.attn_q.bias"),
+        bos_token_id: tokenizer.bos_id,
+        eos_token_ids: tokenizer.eos_ids.clone(),
+    };
+    cfg.validate().map_err(|m| Error::bad_file(path, m))?;
+    let mut ts: HashMap<String, Tensor> = HashMap::new();
+    let mut native = NativeWeights::new();
+    let cpu = Device::Cpu;
+    // Reads a tensor dequantised to f32, and records under `hf_name` how `--weights native`
+    // keeps it (its own blocks, with rows reordered by `perm` for q/k).
+    let mut read_as = |name: &str, hf_name: &str, perm: Option<&[usize]>| -> Result<Tensor> {
+        let q = ct.tensor(&mut r, name, &cpu).map_err(|e| Error::bad_file(path, format!("tensor {name}: {e}")))?;
+        let kind = match q.dtype() {
+            GgmlDType::Q8_0 => Some(QuantKind::Q8_0),
+            GgmlDType::Q4_0 => Some(QuantKind::Q4_0),
+            GgmlDType::Q4_1 => Some(QuantKind::Q4_1),
+            GgmlDType::Q4K => Some(QuantKind::Q4K),
+            _ => None,
+        };
+        let dims = q.shape().dims().to_vec();
+        let entry = match (kind, dims.as_slice()) {
+            (Some(kind), &[n, k]) if k % kind.block_values() == 0 => {
+                let rows = QuantRows::new(kind, n, k, q.data()?.into_owned()).map_err(|e| Error::bad_file(path, format!("tensor {name}: {e}")))?;
+                Some(NativeWeight::Blocks(match perm {
+                    Some(p) => rows.permute_rows(p),
+                    None => rows,
+                }))
+            }
+            _ if q.dtype() == GgmlDType::F32 => None,
+            _ if q.dtype() == GgmlDType::F16 => Some(NativeWeight::F16),
+            _ => Some(NativeWeight::Requantize),
+        };
+        if let Some(e) = entry {
+            native.insert(hf_name.to_string(), e);
+        }
+        Ok(q.dequantize(&cpu)?)
+    };
+
+    // Only llama-arch GGUFs are permuted by the converter; qwen2 keeps the NeoX layout.
+    let permuted = arch != "qwen2";
+    ts.insert("model.embed_tokens.weight".into(), read_as("token_embd.weight", "model.embed_tokens.weight", None)?);
+    ts.insert("model.norm.weight".into(), read_as("output_norm.weight", "model.norm.weight", None)?);
+    if !tie {
+        ts.insert("lm_head.weight".into(), read_as("output.weight", "lm_head.weight", None)?);
+    }
+    for i in 0..layers {
+        let p = format!("model.layers.{i}");
+        let b = format!("blk.{i}");
+        let (qn, kn) = (format!("{p}.self_attn.q_proj.weight"), format!("{p}.self_attn.k_proj.weight"));
+        let (qp, kp) = (unpermute_rows(heads, head_dim), unpermute_rows(kv_heads, head_dim));
+        let mut q = read_as(&format!("{b}.attn_q.weight"), &qn, permuted.then_some(&qp[..]))?;
+        let mut k = read_as(&format!("{b}.attn_k.weight"), &kn, permuted.then_some(&kp[..]))?;
+        if permuted {
+            q = unpermute_qk(&q, heads)?;
+            k = unpermute_qk(&k, kv_heads)?;
+        }
+        ts.insert(qn, q);
+        ts.insert(kn, k);
+        if cfg.attention_bias {
+            for (g, h) in [("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj")] {
+                let hn = format!("{p}.self_attn.{h}.bias");
+                ts.insert(hn.clone(), read_as(&format!("{b}.{g}.bias"), &hn, None)?);
+            }
+        }
+        for (g, h) in GGUF_LAYER_TENSORS {
+            let hn = format!("{p}.{h}");
+            ts.insert(hn.clone(), read_as(&format!("{b}.{g}"), &hn, None)?);
+        }
+    }
+    let chat_template = md
+        .get("tokenizer.chat_template")
+        .and_then(|v| v.to_string().ok())
+        .map(|s| ChatTemplate::new(s.clone()))
+        .transpose()
+        .map_err(|e| Error::bad_file(path, e.to_string()))?;
+    let vb = VarBuilder::from_tensors(ts, DType::F32, device);
+    let model = Llama::load(vb, &cfg).map_err(|e| Error::bad_file(path, e.to_string()))?;
+    Ok(Target { model, tokenizer, chat_template, path: path.to_path_buf(), native })
+}
+
+fn read_json(path: &Path) -> Result<serde_json::Value> {
+    let s = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    serde_json::from_str(&s).map_err(|e| Error::bad_file(path, format!("invalid JSON: {e}")))
+}
+
+/// `tokenizer_config.json` stores special tokens as strings or as `{"content": ...}` objects.
+fn token_str(v: Option<&serde_json::Value>) -> Option<String> {
+    match v? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Object(o) => o.get("content").and_then(|c| c.as_str()).map(str::to_string),
+        _ => None,
+    }
+}
+
+fn load_hf(dir: &Path, device: &Device) -> Result<Target> {
+    let cfg_path = dir.join("config.json");
+    if !cfg_path.exists() {
+        return Err(Error::bad_file(dir, "not a Hugging Face model directory: config.json is missing"));
+    }
+    let c = read_json(&cfg_path)?;
+    let arch_name = c["architectures"].get(0).and_then(|a| a.as_str()).unwrap_or("");
+    let model_type = c["model_type"].as_str().unwrap_or("");
+    let architecture = match (model_type, arch_name) {
+        ("llama", _) | (_, "LlamaForCausalLM") => "llama",
+        ("mistral", _) | (_, "MistralForCausalLM") => "mistral",
+        ("qwen2", _) | (_, "Qwen2ForCausalLM") => "qwen2",
+        _ => {
+            return Err(Error::unsupported(
+                &cfg_path,
+                format!("architecture '{}' (supported: llama, mistral, qwen2)", if arch_name.is_empty() { model_type } else { arch_name }),
+            ))
+        }
+    };
+    let u = |k: &str| -> Result<usize> {
+        c[k].as_u64().map(|v| v as usize).ok_or_else(|| Error::bad_file(&cfg_path, format!("missing or non-integer '{k}'")))
+    };
+    let heads = u("num_attention_heads")?;
+    let hidden = u("hidden_size")?;
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        match v {
+            serde_json::Value::Number(n) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+            serde_json::Value::Array(a) => a.iter().filter_map(|x| x.as_u64().map(|x| x as u32)).collect(),
+            _ => vec![],
+        }
+    };
+    let mut cfg = Config {
+        architecture: architecture.into(),
+        vocab_size: u("vocab_size")?,
+        hidden_size: hidden,
+        intermediate_size: u("intermediate_size")?,
+        num_layers: u("num_hidden_layers")?,
+        num_heads: heads,
+        num_kv_heads: c["num_key_value_heads"].as_u64().map(|v| v as usize).unwrap_or(heads),
+        head_dim: c["head_dim"].as_u64().map(|v| v as usize).unwrap_or(hidden / heads.max(1)),
+        rms_norm_eps: c["rms_norm_eps"].as_f64().unwrap_or(1e-6),
+        rope_theta: c["rope_theta"].as_f64().unwrap_or(10000.0),
+        max_position: c["max_position_embeddings"].as_u64().map(|v| v as usize).unwrap_or(4096),
+        tie_embeddings: c["tie_word_embeddings"].as_bool().unwrap_or(false),
+        attention_bias: c["attention_bias"].as_bool().unwrap_or(architecture == "qwen2"),
+        bos_token_id: ids(&c["bos_token_id"]).first().copied(),
+        eos_token_ids: ids(&c["eos_token_id"]),
+    };
+    cfg.validate().map_err(|m| Error::bad_file(&cfg_path, m))?;
+
+    // Weights: one file or shards listed in the index.
+    let single = dir.join("model.safetensors");
+    let index = dir.join("model.safetensors.index.json");
+    let files: Vec<PathBuf> = if single.exists() {
+        vec![single]
+    } else if index.exists() {
+        let idx = read_json(&index)?;
+        let map = idx["weight_map"].as_object().ok_or_else(|| Error::bad_file(&index, "no weight_map"))?;
+        let mut fs: Vec<PathBuf> = map.values().filter_map(|v| v.as_str()).map(|f| dir.join(f)).collect();
+        fs.sort();
+        fs.dedup();
+        fs
+    } else {
+        return Err(Error::bad_file(dir, "no model.safetensors or model.safetensors.index.json"));
+    };
+    let mut ts: HashMap<String, Tensor> = HashMap::new();
+    for f in &files {
+        if !f.exists() {
+            return Err(Error::io(f, std::io::Error::new(std::io::ErrorKind::NotFound, "weight shard not found")));
+        }
+        let part = candle_core::safetensors::load(f, &Device::Cpu).map_err(|e| Error::bad_file(f, format!("not a readable safetensors file: {e}")))?;
+        for (k, v) in part {
+            ts.insert(k, v.to_dtype(DType::F32)?);
+        }
+    }
+    if !ts.contains_key("lm_head.weight") {
+        cfg.tie_embeddings = true;
+    }
+
+    let tok_path = dir.join("tokenizer.json");
+    if !tok_path.exists() {
+        return Err(Error::bad_file(dir, "no tokenizer: tokenizer.json is missing"));
+    }
+    let tc_path = dir.join("tokenizer_config.json");
+    let tc = if tc_path.exists() { read_json(&tc_path)? } else { serde_json::Value::Null };
+    let bos = token_str(tc.get("bos_token"));
+    let mut eos: Vec<String> = token_str(tc.get("eos_token")).into_iter().collect();
+    let add_bos = tc.get("add_bos_token").and_then(|v| v.as_bool()).unwrap_or(architecture != "qwen2" && bos.is_some());
+    let mut tokenizer = Tokenizer::from_hf_file(&tok_path, bos, std::mem::take(&mut eos), add_bos)?;
+    for id in &cfg.eos_token_ids {
+        if !tokenizer.eos_ids.contains(id) {
+            tokenizer.eos_ids.push(*id);
+        }
+    }
+    if tokenizer.bos_id.is_none() {
+        tokenizer.bos_id = cfg.bos_token_id;
+    }
+    cfg.eos_token_ids = tokenizer.eos_ids.clone();
+    let chat_template = match tc.get("chat_template") {
+        Some(serde_json::Value::String(s)) => Some(ChatTemplate::new(s.clone())?),
+        Some(serde_json::Value::Array(a)) => a
+            .iter()
+            .find(|t| t["name"] == "default")
+            .or_else(|| a.first())
+            .and_then(|t| t["template"].as_str())
+            .map(|s| ChatTemplate::new(s.to_string()))
+            .transpose()?,
+        _ => None,
+    };
+    let vb = VarBuilder::from_tensors(ts, DType::F32, device);
+    let model = Llama::load(vb, &cfg).map_err(|e| Error::bad_file(dir, e.to_string()))?;
+    Ok(Target { model, tokenizer, chat_template, path: dir.to_path_buf(), native: NativeWeights::new() })
+}
+
+/// Parse `--device cpu|cuda[:N]|metal`.
+pub fn parse_device(s: &str) -> Result<Device> {
+    let bad = || Error::InvalidArgument(format!("unknown device '{s}' (use cpu, cuda, cuda:N or metal)"));
+    match s {
+        "cpu" => Ok(Device::Cpu),
+        "metal" => Device::new_metal(0).map_err(|e| Error::InvalidArgument(format!("metal device: {e}"))),
+        _ => {
+            let rest = s.strip_prefix("cuda").ok_or_else(bad)?;
+            let n = if rest.is_empty() { 0 } else { rest.strip_prefix(':').and_then(|x| x.parse().ok()).ok_or_else(bad)? };
+            Device::new_cuda(n).map_err(|e| Error::InvalidArgument(format!("cuda device {n}: {e}")))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[test]
+    fn permute_round_trip_and_devices() {
+        let w = Tensor::arange(0f32, 48., &Device::Cpu).unwrap().reshape((8, 6)).unwrap();
+        let back = unpermute_qk(&permute_qk(&w, 2).unwrap(), 2).unwrap();
+        assert_eq!(back.to_vec2::<f32>().unwrap(), w.to_vec2::<f32>().unwrap());
+        assert!(parse_device("cpu").is_ok());
+        assert!(parse_device("tpu").is_err());
+        assert!(parse_device("cuda:x").is_err());
+    }
+}

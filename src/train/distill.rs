@@ -1,0 +1,235 @@
+//! Self-distillation: the target answers prompts through its chat template, and each answer is
+//! appended to a JSONL file as soon as it is complete, so a killed run resumes where it stopped.
+use std::io::Write;
+use std::path::Path;
+
+use crate::data::{DistillRecord, PromptItem};
+use crate::decode::generate::{check_budget, generate_plain, prefill, StopRule};
+use crate::cpu::TreeMask;
+use crate::model::kv_cache::KvCache;
+use crate::cpu::reduce::rows_to_vec;
+use crate::model::BatchEntry;
+use crate::model::loader::Target;
+use crate::decode::sampling::{rng, Rng64, SamplingParams};
+use crate::model::tokenizer::Message;
+use crate::{Error, Result};
+
+/// Ids already answered in `out` (resume support). A torn last line is ignored.
+pub fn done_ids(out: &Path) -> Result<std::collections::HashSet<String>> {
+    let mut s = std::collections::HashSet::new();
+    if !out.exists() {
+        return Ok(s);
+    }
+    let text = std::fs::read_to_string(out).map_err(|e| Error::io(out, e))?;
+    for line in text.lines() {
+        if let Ok(r) = serde_json::from_str::<DistillRecord>(line) {
+            s.insert(r.id);
+        }
+    }
+    Ok(s)
+}
+
+/// What a [`distill_file`] run did.
+#[derive(Debug, Clone, Default)]
+pub struct DistillSummary {
+    /// Prompts answered in this run.
+    pub answered: usize,
+    /// Prompts skipped because `out` already had their answer (a resumed run).
+    pub already_done: usize,
+    /// New tokens written in this run.
+    pub tokens: usize,
+}
+
+/// Answer every prompt of `items` not yet answered in `out`, appending each record as soon as it
+/// is complete (a killed run resumes where it stopped). Prompt i samples with `seed + i`, its
+/// position in `items`, so a resumed run answers exactly as an uninterrupted one.
+pub fn distill_file(
+    target: &Target,
+    items: &[PromptItem],
+    out: &Path,
+    params: &SamplingParams,
+    max_tokens: usize,
+    seed: u64,
+    batch: usize,
+    on_record: &mut dyn FnMut(&DistillRecord),
+) -> Result<DistillSummary> {
+    let done = done_ids(out)?;
+    let (todo, seeds): (Vec<_>, Vec<u64>) = items.iter().enumerate().filter(|(_, i)| !done.contains(&i.id)).map(|(n, i)| (i.clone(), seed.wrapping_add(n as u64))).unzip();
+    let mut summary = DistillSummary { answered: todo.len(), already_done: items.len() - todo.len(), tokens: 0 };
+    answer_batch(target, &todo, &seeds, params, max_tokens, batch, &mut |rec| {
+        summary.tokens += rec.new_tokens;
+        append_record(out, &rec)?;
+        on_record(&rec);
+        Ok(())
+    })?;
+    Ok(summary)
+}
+
+/// Answer one (possibly multi-turn) prompt; later turns follow the model's own earlier answers.
+pub fn answer(target: &Target, item: &PromptItem, params: &SamplingParams, max_tokens: usize, seed: u64) -> Result<DistillRecord> {
+    let mut messages = Vec::new();
+    let mut total = 0;
+    let mut r = rng(seed);
+    for turn in &item.turns {
+        messages.push(Message { role: "user".into(), content: turn.clone() });
+        let text = target.chat_prompt(&messages)?;
+        let ids = target.tokenizer.encode(&text, false)?;
+        let stop = StopRule { max_new_tokens: max_tokens, eos_ids: &target.tokenizer.eos_ids };
+        let (mut out, _) = generate_plain(&target.model, &ids, params, &stop, &mut r, &mut |_| Ok(()))?;
+        total += out.len();
+        if out.last().is_some_and(|t| target.tokenizer.is_eos(*t)) {
+            out.pop();
+        }
+        messages.push(Message { role: "assistant".into(), content: target.tokenizer.decode(&out)? });
+    }
+    Ok(DistillRecord { id: item.id.clone(), messages, new_tokens: total })
+}
+
+/// One conversation in flight inside [`answer_batch`].
+struct Slot<'a> {
+    item: &'a PromptItem,
+    turn: usize,
+    messages: Vec<Message>,
+    total: usize,
+    rng: Rng64,
+    cache: KvCache,
+    /// Prompt of this turn plus the tokens answered so far (penalties read it).
+    history: Vec<u32>,
+    out: Vec<u32>,
+    budget: usize,
+    /// The target's logits for the next token.
+    logits: Vec<f32>,
+}
+
+impl<'a> Slot<'a> {
+    /// Start turn `turn` of `item`: render the conversation so far and prefill it alone, as
+    /// [`generate_plain`] does.
+    fn start_turn(target: &Target, item: &'a PromptItem, turn: usize, messages: Vec<Message>, total: usize, rng: Rng64, max_tokens: usize) -> Result<Self> {
+        let mut messages = messages;
+        messages.push(Message { role: "user".into(), content: item.turns[turn].clone() });
+        let ids = target.tokenizer.encode(&target.chat_prompt(&messages)?, false)?;
+        // Many prompts are in flight at once, so say which one does not fit.
+        let budget = check_budget(ids.len(), max_tokens, target.model.config().max_position)
+            .map_err(|e| Error::InvalidArgument(format!("prompt {:?}, turn {}: {e}", item.id, turn + 1)))?;
+        let (cache, logits, _) = prefill(&target.model, &ids)?;
+        Ok(Slot { item, turn, messages, total, rng, cache, history: ids, out: Vec::new(), budget, logits })
+    }
+}
+
+/// [`answer`] for many prompts at once: up to `batch` conversations decode side by side, one
+/// token each per [`crate::model::Llama::forward_batch`] call, so each weight is read once per step for all of
+/// them (on a memory-bound CPU, 8 rows cost about twice one). Every conversation gets exactly
+/// the tokens [`answer`] gives it with the same seed: the batched forward computes each row with
+/// the same bits, and each conversation keeps its own sampler state. `seeds[i]` belongs to
+/// `items[i]`; `on_done` receives each record as soon as its last turn ends (so in completion
+/// order, not prompt order).
+pub fn answer_batch(
+    target: &Target,
+    items: &[PromptItem],
+    seeds: &[u64],
+    params: &SamplingParams,
+    max_tokens: usize,
+    batch: usize,
+    on_done: &mut dyn FnMut(DistillRecord) -> Result<()>,
+) -> Result<()> {
+    params.validate()?;
+    if batch == 0 {
+        return Err(Error::InvalidArgument("the batch size must be at least 1".into()));
+    }
+    if seeds.len() != items.len() {
+        return Err(Error::InvalidArgument(format!("{} prompts but {} seeds", items.len(), seeds.len())));
+    }
+    let model = &target.model;
+    let max_pos = model.config().max_position;
+    let mut queue = items.iter().zip(seeds).filter(|(i, _)| !i.turns.is_empty());
+    let mut slots: Vec<Slot> = Vec::with_capacity(batch);
+    loop {
+        while slots.len() < batch {
+            match queue.next() {
+                Some((item, &seed)) => slots.push(Slot::start_turn(target, item, 0, Vec::new(), 0, rng(seed), max_tokens)?),
+                None => break,
+            }
+        }
+        if slots.is_empty() {
+            return Ok(());
+        }
+        // Each conversation picks its next token; the ones that stop leave the step.
+        let mut i = 0;
+        while i < slots.len() {
+            let s = &mut slots[i];
+            let tok = params.choose(&s.logits, &s.history, &mut s.rng);
+            s.out.push(tok);
+            s.history.push(tok);
+            if !(target.tokenizer.eos_ids.contains(&tok) || s.out.len() >= s.budget || s.cache.len() + 1 >= max_pos) {
+                i += 1;
+                continue;
+            }
+            let s = slots.swap_remove(i);
+            let Slot { item, turn, mut messages, total, rng, mut out, .. } = s;
+            let total = total + out.len();
+            if out.last().is_some_and(|t| target.tokenizer.is_eos(*t)) {
+                out.pop();
+            }
+            messages.push(Message { role: "assistant".into(), content: target.tokenizer.decode(&out)? });
+            if turn + 1 < item.turns.len() {
+                // The next turn's prefill gives the logits for its first token: it takes slot i
+                // and chooses in this same pass.
+                slots.push(Slot::start_turn(target, item, turn + 1, messages, total, rng, max_tokens)?);
+                let last = slots.len() - 1;
+                slots.swap(i, last);
+                continue;
+            }
+            on_done(DistillRecord { id: item.id.clone(), messages, new_tokens: total })?;
+        }
+        if slots.is_empty() {
+            continue;
+        }
+        // Every conversation still going feeds the token it just chose.
+        let toks: Vec<[u32; 1]> = slots.iter().map(|s| [*s.out.last().expect("chose this pass")]).collect();
+        let pos: Vec<[usize; 1]> = slots.iter().map(|s| [s.cache.len()]).collect();
+        let mask = TreeMask::causal(1);
+        let mut entries: Vec<BatchEntry> = slots
+            .iter_mut()
+            .zip(toks.iter().zip(&pos))
+            .map(|(s, (t, p))| BatchEntry { tokens: t, positions: p, mask: &mask, cache: &mut s.cache })
+            .collect();
+        let hidden = model.forward_batch(&mut entries)?;
+        let logits = rows_to_vec(&model.logits(&hidden)?)?;
+        for (s, row) in slots.iter_mut().zip(logits) {
+            s.logits = row;
+        }
+    }
+}
+
+fn ends_with_newline(path: &Path) -> Result<bool> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let len = f.metadata().map_err(|e| Error::io(path, e))?.len();
+    if len == 0 {
+        return Ok(true);
+    }
+    let mut b = [0u8; 1];
+    f.seek(SeekFrom::End(-1)).and_then(|_| f.read_exact(&mut b)).map_err(|e| Error::io(path, e))?;
+    Ok(b[0] == b'\n')
+}
+
+/// Append one record as a single line and flush, so a kill loses at most the answer in flight.
+pub fn append_record(out: &Path, rec: &DistillRecord) -> Result<()> {
+    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    }
+    // A run killed mid-write leaves a torn last line: cut it off (that answer is redone).
+    if out.exists() && !ends_with_newline(out)? {
+        let text = std::fs::read(out).map_err(|e| Error::io(out, e))?;
+        if !text.is_empty() {
+            let keep = text.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+            let f = std::fs::OpenOptions::new().write(true).open(out).map_err(|e| Error::io(out, e))?;
+            f.set_len(keep as u64).map_err(|e| Error::io(out, e))?;
+        }
+    }
+    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(out).map_err(|e| Error::io(out, e))?;
+    let mut line = serde_json::to_string(rec).expect("record serialises");
+    line.push('\n');
+    f.write_all(line.as_bytes()).map_err(|e| Error::io(out, e))?;
+    f.sync_data().map_err(|e| Error::io(out, e))
+}

@@ -1,0 +1,209 @@
+//! Training an EAGLE-style draft layer with the backbone frozen.
+//!
+//! Same data path as the heads ([`crate::train`]: chunks, cached hidden states, held-out split,
+//! batches, AdamW, checkpoints, exact resume). The loss at step s of the training-time test is
+//! the cross-entropy between the layer's guess for token t+s+2 and the target's own distribution
+//! there (softmax of lm_head over the real feature f_{t+s+1}), plus optionally a smooth-L1
+//! regression of the predicted feature onto f_{t+s+1}, weighted `decay^s`.
+use std::path::Path;
+
+use candle_core::{Tensor, D};
+use candle_nn::VarMap;
+
+use crate::draft::layer::{DraftLayer, DraftLayerConfig, TrainLayer};
+use crate::model::loader::Target;
+use crate::data::Document;
+use crate::train::{epoch_batches, frequent_tokens, prepare, resume_from, run_steps, AdamW, Example, HeadAccuracy, Prepared, Progress, StepsSetup, TrainConfig, TrainReport};
+use crate::{Error, Result};
+
+/// Levels the validation reports (guesses 1..=VAL_LEVELS tokens past the root).
+pub const VAL_LEVELS: usize = 4;
+const LEVELS_NOTE: &str = " (levels 1..4)";
+
+/// Inputs of one chunk for `steps` steps: the real features and, per step, the embeddings of
+/// the tokens each row's pair carries (past the chunk's end: token 0, masked out of the loss).
+fn chunk_inputs(target: &Target, toks: &[u32], h: &Tensor, steps: usize) -> Result<(Tensor, Vec<Tensor>)> {
+    let t = toks.len() - 1;
+    let feats = h.narrow(0, 0, t)?;
+    let mut embs = Vec::with_capacity(steps);
+    for s in 0..steps {
+        let ids: Vec<u32> = (0..t).map(|r| toks.get(r + s + 1).copied().unwrap_or(0)).collect();
+        embs.push(target.model.embed(&ids)?);
+    }
+    Ok((feats, embs))
+}
+
+/// Whether the guess of token `i` counts. The target's own prediction after the chunk's last
+/// token (i = len) is a label too; it continues whatever the last token belongs to.
+fn scored_at(ex: &Example, i: usize) -> bool {
+    let s = ex.scored();
+    s.get(i).or(s.last()).copied().unwrap_or(false)
+}
+
+fn smooth_l1(d: &Tensor) -> Result<Tensor> {
+    let a = d.abs()?;
+    let m = a.minimum(1.0)?;
+    Ok(((m.sqr()? * 0.5)? + (a - m)?)?.mean_all()?)
+}
+
+/// Loss of one chunk (a mean over its scored positions), and step 0's (hits, rows) against the
+/// target's own top token.
+fn chunk_loss(layer: &TrainLayer, target: &Target, ex: &Example, cfg: &TrainConfig) -> Result<(Tensor, (usize, usize))> {
+    let (toks, h) = (ex.tokens(), &ex.h);
+    let t = toks.len() - 1;
+    let steps = cfg.unroll.min(t);
+    let (feats, embs) = chunk_inputs(target, toks, h, steps)?;
+    let preds = layer.forward_unrolled(&feats, &embs)?;
+    // The target's own distribution after every position, once for all steps.
+    let p_all = candle_nn::ops::softmax_last_dim(&layer.logits(&h.narrow(0, 1, t)?)?)?;
+    let mut total: Option<Tensor> = None;
+    let mut acc = (0, 0);
+    for (s, pred) in preds.iter().enumerate() {
+        let rows = t - s;
+        let truth = h.narrow(0, s + 1, rows)?;
+        let pred = pred.narrow(0, 0, rows)?;
+        let p = p_all.narrow(0, s, rows)?;
+        // Row r guesses token r + s + 2.
+        let keep: Vec<f32> = (0..rows).map(|r| scored_at(ex, r + s + 2) as u8 as f32).collect();
+        let kept = keep.iter().sum::<f32>();
+        if kept == 0.0 {
+            continue;
+        }
+        let keep = Tensor::from_vec(keep, rows, h.device())?;
+        let logits = layer.logits(&pred)?;
+        let logq = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+        let mut l = ((p.clone() * logq)?.sum(D::Minus1)?.neg()? * &keep)?.sum_all()?.affine(1.0 / kept as f64, 0.0)?;
+        if cfg.feature_weight > 0.0 {
+            let d = (pred - &truth)?.broadcast_mul(&keep.unsqueeze(1)?)?;
+            l = (l + (smooth_l1(&d)? * (cfg.feature_weight * rows as f64 / kept as f64))?)?;
+        }
+        if s == 0 {
+            let a: Vec<u32> = logits.argmax(D::Minus1)?.to_vec1()?;
+            let b: Vec<u32> = p.argmax(D::Minus1)?.to_vec1()?;
+            let hits = (0..rows).filter(|&r| scored_at(ex, r + 2) && a[r] == b[r]).count();
+            acc = (hits, kept as usize);
+        }
+        let term = (l * cfg.decay.powi(s as i32))?;
+        total = Some(match total {
+            None => term,
+            Some(x) => (x + term)?,
+        });
+    }
+    // A chunk whose scored tokens all lie before the first guess contributes nothing.
+    let total = match total {
+        Some(t) => t,
+        None => Tensor::zeros((), candle_core::DType::F32, h.device())?,
+    };
+    Ok((total, acc))
+}
+
+/// Top-1/top-5 per level on held-out chunks, against the target's own greedy tokens: level k
+/// guesses the token k places past the root, drafted along the true tokens above it (the
+/// unrolled forward, which attends exactly as a drafted chain does).
+pub fn validate_layer(layer: &TrainLayer, ids: &[u32], target: &Target, chunks: &[Example]) -> Result<HeadAccuracy> {
+    let lm = target.model.lm_head().weight();
+    let mut top1 = vec![0usize; VAL_LEVELS];
+    let mut top5 = vec![0usize; VAL_LEVELS];
+    let mut counts = vec![0usize; VAL_LEVELS];
+    for ex in chunks {
+        let (toks, h) = (ex.tokens(), &ex.h);
+        let t = toks.len() - 1;
+        let steps = VAL_LEVELS.min(t);
+        let own: Vec<u32> = h.matmul(&lm.t()?)?.argmax(D::Minus1)?.to_vec1()?; // own[i] = target's token i+1
+        let (feats, embs) = chunk_inputs(target, toks, h, steps)?;
+        let preds = layer.forward_unrolled(&feats, &embs)?;
+        for (s, pred) in preds.iter().enumerate() {
+            let rows = t - s;
+            let top = crate::cpu::reduce::top_k_rows(&layer.logits(&pred.narrow(0, 0, rows)?)?, 5)?;
+            for (r, row) in top.iter().enumerate().filter(|(r, _)| scored_at(ex, r + s + 2)) {
+                let truth = own[r + s + 1];
+                counts[s] += 1;
+                top1[s] += (ids[row[0].0 as usize] == truth) as usize;
+                top5[s] += row.iter().any(|x| ids[x.0 as usize] == truth) as usize;
+            }
+        }
+    }
+    let frac = |a: &[usize]| a.iter().zip(&counts).map(|(&x, &c)| x as f64 / c.max(1) as f64).collect();
+    Ok(HeadAccuracy { positions: counts[0], top1: frac(&top1), top5: frac(&top5) })
+}
+
+/// Train a draft layer on `docs`, writing checkpoints into `out`.
+/// Held-out accuracy per level of the draft layer in `cfg.init` on the chunks a `train
+/// --draft-layer` run with `cfg` and these `docs` holds out, computing hidden states for those
+/// chunks only (see [`crate::train::held_out_accuracy`]).
+pub fn held_out_layer_accuracy(target: &Target, docs: &[Document], cfg: &TrainConfig, cache_hidden: Option<&Path>, log: &mut dyn FnMut(String)) -> Result<HeadAccuracy> {
+    let (dir, val_set) = crate::train::held_out_set(target, docs, cfg, cfg.unroll + 2, cache_hidden, log)?;
+    let from = DraftLayer::from_dir(dir, target)?;
+    let ids = from.draft_vocab().to_vec();
+    let varmap = VarMap::new();
+    let layer = TrainLayer::init(&varmap, DraftLayerConfig::for_target(target, ids.len())?, &ids, &target.model, cfg.seed)?;
+    crate::train::warm_start(&varmap, from.weights(), dir)?;
+    validate_layer(&layer, &ids, target, &val_set)
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn train_layer(
+    target: &Target,
+    docs: &[Document],
+    cfg: &TrainConfig,
+    out: &Path,
+    resume: bool,
+    cache_hidden: Option<&Path>,
+    progress: Progress,
+    log: &mut dyn FnMut(String),
+) -> Result<(DraftLayer, TrainReport)> {
+    cfg.validate()?;
+    if !cfg.draft_layer {
+        return Err(Error::InvalidArgument("train_layer needs a draft-layer configuration".into()));
+    }
+    std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
+    let Prepared { train_set, val_set, train_tokens, val_tokens, hidden_secs } = prepare(target, docs, cfg, cfg.unroll + 2, cache_hidden, true, log)?;
+    let (per_epoch, batches_for_epoch) = epoch_batches(&train_set, cfg);
+    let total_steps = per_epoch * cfg.epochs;
+    let device = target.model.device().clone();
+    let vocab = target.model.config().vocab_size;
+    let init = cfg.init.as_deref().map(|dir| DraftLayer::from_dir(dir, target)).transpose()?;
+    let ids = match &init {
+        Some(l) => l.draft_vocab().to_vec(),
+        None => frequent_tokens(train_set.iter().map(|c| c.tokens()), cfg.draft_vocab.min(vocab), &target.tokenizer.eos_ids),
+    };
+    log(format!("draft vocabulary: {} tokens{}", ids.len(), if init.is_some() { ", as --init's" } else { ", the corpus's most frequent" }));
+    let lcfg = DraftLayerConfig::for_target(target, ids.len())?;
+    let varmap = VarMap::new();
+    let layer = TrainLayer::init(&varmap, lcfg.clone(), &ids, &target.model, cfg.seed)?;
+    if let (Some(l), Some(dir)) = (&init, &cfg.init) {
+        crate::train::warm_start(&varmap, l.weights(), dir)?;
+        log(format!("starting from the draft layer in {}", dir.display()));
+    }
+    let mut opt = AdamW::new(&varmap, cfg.weight_decay)?;
+    let mut losses = if resume { resume_from(out, cfg, &mut opt, &device, total_steps, log)? } else { Vec::new() };
+
+    let done = run_steps(
+        StepsSetup { cfg, out, train_set: &train_set, per_epoch, total_steps, batches_for_epoch: &batches_for_epoch, val_levels: LEVELS_NOTE },
+        &mut opt,
+        &mut losses,
+        progress,
+        log,
+        &mut |batch| {
+            let mut loss: Option<Tensor> = None;
+            let (mut hits, mut rows) = (0, 0);
+            for &i in batch {
+                let (l, (a, b)) = chunk_loss(&layer, target, &train_set[i], cfg)?;
+                hits += a;
+                rows += b;
+                loss = Some(match loss {
+                    None => l,
+                    Some(x) => (x + l)?,
+                });
+            }
+            let loss = (loss.ok_or_else(|| Error::InvalidArgument("an empty batch".into()))? / batch.len() as f64)?;
+            Ok((loss, vec![(hits, rows)]))
+        },
+        &mut || if val_set.is_empty() { Ok(None) } else { validate_layer(&layer, &ids, target, &val_set).map(Some) },
+    )?;
+    let val = if val_set.is_empty() { HeadAccuracy::default() } else { validate_layer(&layer, &ids, target, &val_set)? };
+    let report = TrainReport::new((train_tokens, val_tokens, hidden_secs), done.step, &losses, val, done.secs, done.tokens_seen);
+    let mut trained = DraftLayer::from_tensors(layer.tensors()?, ids, lcfg, &target.model)?;
+    trained.set_format(target.model.weight_format())?;
+    Ok((trained, report))
+}
