@@ -6,29 +6,30 @@
 //! per output element whatever the row count (`docs/kernels.md`).
 //!
 //! Files, lowest first (a file imports only files above it in this list):
-//! - [`isa`]: which instructions this CPU has (AVX2, AVX-512, VNNI, AMX), detected once.
-//! - [`team`]: the spinning thread team every kernel runs on.
-//! - [`exp`]: the exp polynomial every path shares.
-//! - [`storage`]: candle CPU storage as slices, with layout checks.
-//! - [`matmul`]: the f32/f16 batch-invariant matmuls and their packed weights.
+//! - `isa`: which instructions this CPU has (AVX2, AVX-512, VNNI, AMX), detected once.
+//! - `team`: the spinning thread team every kernel runs on.
+//! - `exp`: the exp polynomial every path shares.
+//! - `storage`: candle CPU storage as slices, with layout checks.
+//! - `matmul`: the f32/f16 batch-invariant matmuls and their packed weights.
 //! - [`bf16`]: bf16 weights on AMX tiles.
 //! - [`quant`]: the weight formats, and 8-bit integer kernels for GGUF blocks.
-//! - [`ops`]: the small per-row ops of a forward as candle custom ops (norm, RoPE, SwiGLU, KV stores).
-//! - [`attention`]: tree attention and its exp.
+//! - `ops`: the small per-row ops of a forward as candle custom ops (norm, RoPE, SwiGLU, KV stores).
+//! - `attention`: tree attention and its exp.
 //! - [`reduce`]: argmax, top-k, softmax over rows of logits.
-pub mod attention;
+pub(crate) mod attention;
 pub mod bf16;
-pub mod exp;
-pub mod isa;
-pub mod matmul;
-pub mod ops;
+pub(crate) mod exp;
+pub(crate) mod isa;
+pub(crate) mod matmul;
+pub(crate) mod ops;
 pub mod quant;
 pub mod reduce;
-pub mod storage;
-pub mod team;
+pub(crate) mod storage;
+pub(crate) mod team;
 #[cfg(test)]
 mod testutil;
 
 pub use attention::{sum_exp_below, TreeAttention, TreeMask};
+pub use isa::cpu_kernels;
 pub use matmul::{matmul_packed, matmul_xwt, PackedWeight, PANEL, ROW_KERNEL_MAX_ROWS};
 pub use ops::{KvCompact, KvStore, RmsNormRows, RopeInPlace, RopeThd, RowMatmul, SwiGlu};

@@ -18,7 +18,7 @@ const SEP: u32 = u32::MAX;
 /// Suffixes are sorted on this many leading tokens: longer than any match plus continuation.
 const SORT_DEPTH: usize = 64;
 
-/// Token sequences under a suffix array (sorted on their first [`SORT_DEPTH`] tokens).
+/// Token sequences under a suffix array (sorted on their first `SORT_DEPTH` tokens).
 pub struct Datastore {
     tokens: Vec<u32>,
     sa: Vec<u32>,

@@ -67,7 +67,7 @@ pub fn bench(target: &mut Target, opts: &BenchOptions, each: &mut dyn FnMut(&For
             base_floor_ms: roof.map(|r| r.floors_ms(&target.model, opts.context, &[base])[0]),
             roofline: roof,
             kv_cache: format!("{:?}", target.model.kv_dtype()),
-            kernels: if cpu { crate::cpu::isa::cpu_kernels() } else { String::new() },
+            kernels: if cpu { crate::cpu::cpu_kernels() } else { String::new() },
         };
         each(&r);
         all.push(r);

@@ -1,6 +1,6 @@
 //! Measuring: acceptance length and speed-up against plain decoding in one run ([`run`]), with
 //! reports ([`report`]); the tree tuned for this device ([`tune`]); forward costs per weight
-//! format ([`bench`]) beside this machine's roofline ([`roofline`]).
+//! format ([`mod@bench`]) beside this machine's roofline ([`roofline`]).
 pub mod bench;
 pub mod report;
 pub mod roofline;

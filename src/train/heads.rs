@@ -106,7 +106,7 @@ impl TrainConfig {
     pub fn validate(&self) -> Result<()> {
         let bad = |m: &str| Err(Error::InvalidArgument(m.into()));
         if self.num_heads == 0 || self.num_layers == 0 {
-            return bad("--heads and --layers must be at least 1");
+            return bad("--num-heads and --layers must be at least 1");
         }
         if self.seq_len < self.num_heads + 3 {
             return bad("--seq-len must exceed the number of heads by at least 3");
