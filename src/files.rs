@@ -19,6 +19,88 @@ pub fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> Result<()> {
     Ok(())
 }
 
+/// Write tensors as a safetensors file atomically (sibling temporary file, then rename), with an
+/// optional header entry. Written through [`write_atomic`], so the file gets the usual
+/// umask-respecting mode (0644 under the common umask; candle's writer made weight files 0600
+/// while the JSON beside them was 0644).
+pub fn save_safetensors(tensors: &std::collections::HashMap<String, candle_core::Tensor>, meta: Option<(&str, &str)>, path: &std::path::Path) -> Result<()> {
+    let mut names: Vec<&String> = tensors.keys().collect();
+    names.sort();
+    let views = names.into_iter().map(|n| Ok((n.as_str(), HostTensor::of(&tensors[n])?))).collect::<Result<Vec<_>>>()?;
+    let header = meta.map(|(k, v)| std::collections::HashMap::from([(k.to_string(), v.to_string())]));
+    let bytes = safetensors::serialize(views, header).map_err(|e| Error::bad_file(path, format!("cannot serialise tensors: {e}")))?;
+    write_atomic(path, &bytes)
+}
+
+/// A tensor's bytes on the host in safetensors' little-endian layout (candle implements the
+/// `View` trait only for its own, older safetensors version).
+struct HostTensor {
+    dtype: safetensors::Dtype,
+    shape: Vec<usize>,
+    data: Vec<u8>,
+}
+
+impl HostTensor {
+    fn of(t: &candle_core::Tensor) -> Result<Self> {
+        use candle_core::DType;
+        let flat = t.flatten_all()?;
+        let (dtype, data): (safetensors::Dtype, Vec<u8>) = match t.dtype() {
+            DType::F32 => (safetensors::Dtype::F32, flat.to_vec1::<f32>()?.iter().flat_map(|x| x.to_le_bytes()).collect()),
+            DType::F16 => (safetensors::Dtype::F16, flat.to_vec1::<half::f16>()?.iter().flat_map(|x| x.to_le_bytes()).collect()),
+            DType::BF16 => (safetensors::Dtype::BF16, flat.to_vec1::<half::bf16>()?.iter().flat_map(|x| x.to_le_bytes()).collect()),
+            DType::U32 => (safetensors::Dtype::U32, flat.to_vec1::<u32>()?.iter().flat_map(|x| x.to_le_bytes()).collect()),
+            DType::U8 => (safetensors::Dtype::U8, flat.to_vec1::<u8>()?),
+            DType::I64 => (safetensors::Dtype::I64, flat.to_vec1::<i64>()?.iter().flat_map(|x| x.to_le_bytes()).collect()),
+            other => return Err(Error::InvalidArgument(format!("cannot store a {other:?} tensor in safetensors here"))),
+        };
+        Ok(HostTensor { dtype, shape: t.dims().to_vec(), data })
+    }
+}
+
+impl safetensors::View for HostTensor {
+    fn dtype(&self) -> safetensors::Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        std::borrow::Cow::Borrowed(&self.data)
+    }
+    fn data_len(&self) -> usize {
+        self.data.len()
+    }
+}
+
+/// Fail now, before any work, if `path` could not be written later: its folder is created if
+/// missing, and a probe file is created in it and removed. Why: `eval`, `tune` and `train` used to
+/// find a read-only output folder only after minutes of work.
+pub fn check_writable(path: &std::path::Path) -> Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    if path.is_dir() {
+        return Err(Error::bad_file(path, "is a directory; expected a file to write"));
+    }
+    probe_dir(&dir).map_err(|e| Error::io(path, std::io::Error::new(e.kind(), format!("cannot be written: {e}"))))
+}
+
+/// As [`check_writable`] for an output folder: created if missing, and a file can be made in it.
+pub fn check_writable_dir(dir: &std::path::Path) -> Result<()> {
+    if dir.exists() && !dir.is_dir() {
+        return Err(Error::bad_file(dir, "exists and is not a directory"));
+    }
+    probe_dir(dir).map_err(|e| Error::io(dir, std::io::Error::new(e.kind(), format!("cannot be written: {e}"))))
+}
+
+fn probe_dir(dir: &std::path::Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let probe = dir.join(format!(".selfspec-probe-{}.tmp", std::process::id()));
+    std::fs::write(&probe, b"")?;
+    std::fs::remove_file(&probe)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -30,5 +112,54 @@ mod tests {
         write_atomic(&p, b"two").unwrap();
         assert_eq!(std::fs::read(&p).unwrap(), b"two");
         assert!(!dir.join("a.txt.tmp").exists());
+    }
+
+    #[test]
+    fn safetensors_are_atomic_readable_and_not_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("selfspec-st-{}", std::process::id()));
+        let p = dir.join("w.safetensors");
+        let t = candle_core::Tensor::new(&[[1.5f32, -2.0], [0.25, 8.0]], &candle_core::Device::Cpu).unwrap();
+        let h = t.to_dtype(candle_core::DType::F16).unwrap();
+        let ts = std::collections::HashMap::from([("a".to_string(), t.clone()), ("b".to_string(), h)]);
+        save_safetensors(&ts, Some(("k", "v")), &p).unwrap();
+        let back = candle_core::safetensors::load(&p, &candle_core::Device::Cpu).unwrap();
+        assert_eq!(back["a"].to_vec2::<f32>().unwrap(), t.to_vec2::<f32>().unwrap());
+        assert_eq!(back["b"].dtype(), candle_core::DType::F16);
+        let bytes = std::fs::read(&p).unwrap();
+        let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+        assert_eq!(header.metadata().as_ref().unwrap()["k"], "v");
+        // Group and others may read it as they may read the JSON beside it (umask permitting).
+        let mode = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
+        let json = dir.join("c.json");
+        write_atomic(&json, b"{}").unwrap();
+        assert_eq!(mode, std::fs::metadata(&json).unwrap().permissions().mode() & 0o777);
+        assert!(!dir.join("w.safetensors.tmp").exists());
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn writability_is_checked_up_front() {
+        let dir = std::env::temp_dir().join(format!("selfspec-writable-{}", std::process::id()));
+        check_writable(&dir.join("sub/report.json")).unwrap();
+        assert!(dir.join("sub").is_dir());
+        assert_eq!(std::fs::read_dir(dir.join("sub")).unwrap().count(), 0, "the probe is removed");
+        check_writable_dir(&dir.join("out")).unwrap();
+        assert!(check_writable(&dir).unwrap_err().to_string().contains("is a directory"));
+        std::fs::write(dir.join("f"), b"x").unwrap();
+        assert!(check_writable_dir(&dir.join("f")).unwrap_err().to_string().contains("not a directory"));
+        let e = check_writable(&dir.join("f/r.json")).unwrap_err().to_string();
+        assert!(e.contains("f/r.json") && e.contains("cannot be written"), "{e}");
+        // A read-only folder (root ignores permissions, so only where they bite).
+        use std::os::unix::fs::PermissionsExt;
+        let ro = dir.join("ro");
+        std::fs::create_dir_all(&ro).unwrap();
+        std::fs::set_permissions(&ro, std::fs::Permissions::from_mode(0o555)).unwrap();
+        if std::fs::write(ro.join("x"), b"").is_err() {
+            let e = check_writable(&ro.join("r.json")).unwrap_err().to_string();
+            assert!(e.contains("r.json") && e.contains("cannot be written"), "{e}");
+        }
+        std::fs::set_permissions(&ro, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::remove_dir_all(&dir).ok();
     }
 }

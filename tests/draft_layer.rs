@@ -100,6 +100,37 @@ fn drafting_with_a_layer_keeps_greedy_output_exact() {
     assert!(drafter.validate_tree(&too_deep).is_err());
 }
 
+/// A draft layer trained on a model whose FFN width is not a whole number of 32-value blocks
+/// (stories260K's is 172) loads with the default drafting format, falling back to f16 and
+/// saying so, and bare `chain` drafts as deep as the layer goes; greedy output stays exact.
+#[test]
+fn odd_widths_fall_back_to_f16_and_bare_chain_is_full_depth() {
+    let dir = scratch("layer-odd");
+    let cfg = selfspec::model::Config { intermediate_size: 44, ..selfspec::model::fixtures::tiny_config() };
+    let w = selfspec::model::fixtures::random_weights(&cfg, 8).unwrap();
+    let p = dir.join("odd.gguf");
+    selfspec::model::fixtures::write_gguf(&p, &cfg, &w).unwrap();
+    let t = selfspec::model::loader::Target::load(&p, &candle_core::Device::Cpu).unwrap();
+    let out = dir.join("layer");
+    let (layer, _) = run(&t, &TrainConfig { max_steps: 2, ..quick_cfg() }, &out, false);
+    layer.save_as(&out, selfspec::draft::layer::StoreFormat::F32).unwrap();
+    let (drafter, note) = Drafter::from_dir_noted(&out, &t, selfspec::draft::drafter::DRAFTING_FORMAT).unwrap();
+    let note = note.expect("the fallback is said");
+    assert!(note.contains("f16") && note.contains("native"), "{note}");
+    let (_, none) = Drafter::from_dir_noted(&out, &t, selfspec::cpu::quant::WeightFormat::F32).unwrap();
+    assert!(none.is_none());
+    let params = SamplingParams::greedy();
+    let prompt = [1u32, 5, 9, 2, 7];
+    let stop = || StopRule { max_new_tokens: 24, eos_ids: &[] };
+    let (plain, _) = generate_plain(&t.model, &prompt, &params, &stop(), &mut rng(0), &mut |_| Ok(())).unwrap();
+    let opts = SpecOptions { tree: TreeChoice::parse("chain").unwrap(), lookup: None, datastore: None, rule: Rule::Greedy, params: params.clone(), stop: stop() };
+    let (spec, stats) = generate_spec(&t.model, &drafter, &prompt, &opts, &mut rng(0), &mut |_| Ok(())).unwrap();
+    assert_eq!(spec, plain);
+    // Bare `chain` once meant 4 levels (5 nodes a step); now one node per level the layer drafts.
+    let steps: usize = stats.accept_hist.iter().sum();
+    assert!(steps > 0 && stats.tree_nodes_total > 5 * steps, "{} nodes over {steps} steps", stats.tree_nodes_total);
+}
+
 
 fn quick_cfg() -> TrainConfig {
     TrainConfig {

@@ -137,6 +137,22 @@ fn resumed_run_matches_uninterrupted_run() {
     let (resumed, rep2) = run(&t, &quick_cfg(), &part_dir, true);
     assert_eq!(rep2.steps, total);
     assert_eq!(weights(&full, &scratch("w-full")), weights(&resumed, &scratch("w-resumed")), "resumed weights differ");
+    // The checkpoint is one file: its step and settings travel in the safetensors header.
+    assert!(part_dir.join("checkpoint.safetensors").exists() && !part_dir.join("checkpoint.json").exists());
+}
+
+/// `--resume` on other data is refused: the checkpoint records the documents' fingerprint.
+#[test]
+fn resume_on_other_data_is_refused() {
+    let (_, t) = tiny_gguf("train-resume-data", 22);
+    let dir = scratch("train-resume-data-out");
+    run(&t, &TrainConfig { max_steps: 2, ..quick_cfg() }, &dir, false);
+    let mut other = corpus();
+    other[0] = selfspec::data::Document::plain("a different first document, with other words in it. ".repeat(6));
+    let e = train(&t, &other, &quick_cfg(), &dir, true, None, &mut |_, _, _, _, _| {}, &mut |_| {}).map(|_| ()).unwrap_err().to_string();
+    assert!(e.contains("other data") && e.contains("checkpoint.safetensors"), "{e}");
+    // The same data resumes.
+    run(&t, &quick_cfg(), &dir, true);
 }
 
 #[test]

@@ -127,7 +127,13 @@ impl DrafterArgs {
     /// Load the drafter, if one was named.
     pub fn load(&self, target: &Target) -> Result<Option<Drafter>> {
         Ok(match &self.drafter {
-            Some(dir) => Some(Drafter::from_dir_as(dir, target, self.draft_weights)?),
+            Some(dir) => {
+                let (d, note) = Drafter::from_dir_noted(dir, target, self.draft_weights)?;
+                if let Some(n) = note {
+                    eprintln!("note: {n}");
+                }
+                Some(d)
+            }
             None => None,
         })
     }

@@ -33,6 +33,7 @@ pub fn run(a: DistillArgs) -> Result<()> {
         bail!("--max-tokens must be at least 1");
     }
     let items = selfspec::data::read_prompts(&a.prompts)?;
+    selfspec::files::check_writable(&a.out)?;
     let target = a.model.load()?;
     let bar = progress(items.len() as u64, "distill");
     let t0 = std::time::Instant::now();

@@ -40,6 +40,9 @@ pub fn run(a: EvalArgs) -> Result<()> {
         bail!("--max-tokens must be at least 1");
     }
     let dir = a.drafter.dir("eval")?.to_path_buf();
+    if let Some(prefix) = &a.out {
+        selfspec::files::check_writable(&PathBuf::from(format!("{}.json", prefix.display())))?;
+    }
     let trees = a.tree.iter().map(|t| Ok((t.clone(), Plan::parse(t)?))).collect::<Result<Vec<_>>>()?;
     let mut items = selfspec::data::read_prompts(&a.prompts)?;
     if let Some(n) = a.limit {

@@ -123,6 +123,9 @@ impl TrainArgs {
 pub fn run(a: TrainArgs) -> Result<()> {
     let cfg = a.config();
     cfg.validate()?;
+    if !a.validate_only {
+        selfspec::files::check_writable_dir(&a.out)?;
+    }
     let target = a.model.load()?;
     let docs = selfspec::data::read_corpus(&a.data, &|m| target.render_conversation(m))?;
     let kind = if cfg.draft_layer { "a draft layer".to_string() } else { format!("{} heads", cfg.num_heads) };

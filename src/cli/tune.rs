@@ -31,6 +31,7 @@ pub struct TuneArgs {
 
 pub fn run(a: TuneArgs) -> Result<()> {
     a.drafter.dir("tune")?;
+    selfspec::files::check_writable(&a.out)?;
     let items = selfspec::data::read_prompts(&a.prompts)?;
     let target = a.model.load()?;
     let drafter = a.drafter.load(&target)?.expect("--drafter checked above");

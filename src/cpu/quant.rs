@@ -29,6 +29,23 @@ use crate::{Error, Result};
 /// Values per quantization block (Q8_0, Q4_0 and Q4_1 all use 32).
 pub const QK: usize = 32;
 
+/// How the block quantizers' errors begin: a matrix whose rows are not whole blocks.
+pub const CANNOT_QUANTIZE: &str = "cannot quantize";
+
+/// Run `set` with `format`; when the format's blocks do not fit the matrices (rows not whole
+/// blocks of [`QK`]), run it with f16 instead. Returns the format used. For drafters, whose
+/// drafts need not be exact: a draft layer trained on stories260K (FFN 172 wide) must still load.
+pub fn with_block_fallback(format: WeightFormat, mut set: impl FnMut(WeightFormat) -> Result<()>) -> Result<WeightFormat> {
+    match set(format) {
+        Ok(()) => Ok(format),
+        Err(Error::InvalidArgument(m)) if m.starts_with(CANNOT_QUANTIZE) => {
+            set(WeightFormat::F16)?;
+            Ok(WeightFormat::F16)
+        }
+        Err(e) => Err(e),
+    }
+}
+
 /// What `--weights` selects: the number format of the CPU fast path's weights.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum WeightFormat {
@@ -154,7 +171,7 @@ impl QuantRows {
     /// Quantize f32 rows to Q8_0 the way llama.cpp does (scale = max|x| / 127, round half away).
     pub fn quantize_q8_0(w: &[f32], n: usize, k: usize) -> Result<Self> {
         if !k.is_multiple_of(QK) || w.len() != n * k {
-            return Err(Error::InvalidArgument(format!("cannot quantize [{n}, {k}] ({} values) to q8_0 blocks of {QK}", w.len())));
+            return Err(Error::InvalidArgument(format!("{CANNOT_QUANTIZE} [{n}, {k}] ({} values) to q8_0 blocks of {QK}", w.len())));
         }
         let mut bytes = Vec::with_capacity(n * k / QK * 34);
         for block in w.chunks_exact(QK) {
@@ -171,7 +188,7 @@ impl QuantRows {
     /// format of the SmolLM2 GGUF; for benchmarks and tests of the 4-bit kernel.
     pub fn quantize_q4_1(w: &[f32], n: usize, k: usize) -> Result<Self> {
         if !k.is_multiple_of(QK) || w.len() != n * k {
-            return Err(Error::InvalidArgument(format!("cannot quantize [{n}, {k}] ({} values) to q4_1 blocks of {QK}", w.len())));
+            return Err(Error::InvalidArgument(format!("{CANNOT_QUANTIZE} [{n}, {k}] ({} values) to q4_1 blocks of {QK}", w.len())));
         }
         let mut bytes = Vec::with_capacity(n * k / QK * 20);
         for block in w.chunks_exact(QK) {

@@ -59,6 +59,13 @@ impl SamplingParams {
         if !(self.repetition_penalty > 0.0) || !self.repetition_penalty.is_finite() {
             return bad(format!("repetition penalty must be > 0, got {}", self.repetition_penalty));
         }
+        // OpenAI's range; a NaN or infinite penalty would turn every logit it touches into NaN or
+        // infinity and silently change even greedy output.
+        for (name, v) in [("presence", self.presence_penalty), ("frequency", self.frequency_penalty)] {
+            if !(-2.0..=2.0).contains(&v) {
+                return bad(format!("{name} penalty must be in [-2, 2], got {v}"));
+            }
+        }
         Ok(())
     }
 
@@ -239,6 +246,18 @@ pub fn sample_from(p: &[f64], rng: &mut Rng64) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn penalties_must_be_finite_and_in_range() {
+        for bad in [f32::NAN, f32::INFINITY, -3.0, 2.5] {
+            let p = SamplingParams { presence_penalty: bad, ..Default::default() };
+            assert!(p.validate().unwrap_err().to_string().contains("presence penalty"), "{bad}");
+            let p = SamplingParams { frequency_penalty: bad, ..Default::default() };
+            assert!(p.validate().unwrap_err().to_string().contains("frequency penalty"), "{bad}");
+        }
+        let ok = SamplingParams { presence_penalty: -2.0, frequency_penalty: 2.0, ..Default::default() };
+        assert!(ok.validate().is_ok());
+    }
 
     #[test]
     fn filters_and_penalties() {

@@ -49,13 +49,22 @@ impl Drafter {
     /// trees more than shallow ones (bf16 `dynamic:32+lookup:16`: τ 2.94 with 4-bit drafting,
     /// 3.00 with 8-bit, at the same speed).
     pub fn from_dir_as(dir: &Path, target: &Target, format: WeightFormat) -> Result<Self> {
+        Ok(Self::from_dir_noted(dir, target, format)?.0)
+    }
+
+    /// [`Drafter::from_dir_as`], with a note for the user when the drafter could not take
+    /// `format` and drafts in another one (see [`Drafter::set_format`]).
+    pub fn from_dir_noted(dir: &Path, target: &Target, format: WeightFormat) -> Result<(Self, Option<String>)> {
         let mut d = if dir.join(LAYER_CONFIG_FILE).exists() {
             Drafter::Layer(DraftLayer::from_dir(dir, target)?)
         } else {
             Drafter::Heads(Heads::from_dir(dir, target)?)
         };
-        d.set_format(format)?;
-        Ok(d)
+        let used = d.set_format(format)?;
+        let note = (used != format).then(|| {
+            format!("{}: this {}'s matrices are not whole blocks of 32 values, so it drafts in {used} instead of {format} (drafts need not be exact; verification is)", dir.display(), d.kind())
+        });
+        Ok((d, note))
     }
 
     /// How many levels below the root it can fill.
@@ -74,16 +83,28 @@ impl Drafter {
         }
     }
 
-    /// Follow the target's weight format for the drafter's own fast copies.
-    pub fn set_format(&mut self, format: WeightFormat) -> Result<()> {
-        match self {
-            Drafter::Heads(h) => h.set_draft_format(format),
-            Drafter::Layer(l) => l.set_format(format),
+    /// Set the format of the drafter's own fast copies; returns the format it drafts in. The
+    /// block formats (`native`, `q8_0`) need every matrix's rows in whole blocks of 32 values; a
+    /// drafter trained on a model whose widths are not (stories260K's FFN is 172 wide) drafts in
+    /// f16 instead, rather than failing: drafts need not be exact.
+    pub fn set_format(&mut self, format: WeightFormat) -> Result<WeightFormat> {
+        crate::cpu::quant::with_block_fallback(format, |f| match self {
+            Drafter::Heads(h) => h.set_draft_format(f),
+            Drafter::Layer(l) => l.set_format(f),
+        })
+    }
+
+    /// The tree choice as this drafter runs it: bare `chain` becomes a chain as deep as it drafts.
+    pub fn resolve(&self, choice: &TreeChoice) -> TreeChoice {
+        match choice {
+            TreeChoice::Chain => TreeChoice::Static(Tree::chain(self.max_depth())),
+            other => other.clone(),
         }
     }
 
     pub fn validate_tree(&self, choice: &TreeChoice) -> Result<()> {
         match choice {
+            TreeChoice::Chain => Ok(()),
             TreeChoice::Static(t) => match self {
                 Drafter::Heads(_) => t.validate_for(self.max_depth(), TOP_K_LIMIT),
                 Drafter::Layer(_) => t.validate_against(self.max_depth(), "levels a draft layer drafts", TOP_K_LIMIT),
@@ -140,6 +161,7 @@ impl DraftState<'_> {
                 let want = match choice {
                     TreeChoice::Static(t) => t.ranks_per_depth().into_iter().max().unwrap_or(1),
                     TreeChoice::Dynamic(n) | TreeChoice::Auto(Budget { max_nodes: n, .. }) => (*n).min(TOP_K_LIMIT),
+                    TreeChoice::Chain => 1,
                 };
                 let top = heads.draft_top_k(h_last, root, model, want.max(keep))?;
                 let guesses = top.iter().map(|r| r.iter().take(keep).map(|x| x.0).collect()).collect();
@@ -149,6 +171,7 @@ impl DraftState<'_> {
                     TreeChoice::Dynamic(n) | TreeChoice::Auto(Budget { max_nodes: n, .. }) => {
                         dynamic_tree(&top.iter().map(|r| r[..want.min(r.len())].to_vec()).collect::<Vec<_>>(), *n)
                     }
+                    TreeChoice::Chain => Tree::chain(heads.num_heads()),
                 };
                 if tree.len() > max_nodes {
                     tree = Tree::from_paths(&[]).expect("root-only tree");
@@ -165,6 +188,7 @@ impl DraftState<'_> {
                     TreeChoice::Static(t) => grow_static(layer, cache, root_feat, model, root, t, keep)?,
                     TreeChoice::Dynamic(n) => grow_dynamic(layer, cache, root_feat, model, root, *n, keep, 0.0)?,
                     TreeChoice::Auto(b) => grow_dynamic(layer, cache, root_feat, model, root, b.max_nodes, keep, min_expand)?,
+                    TreeChoice::Chain => grow_static(layer, cache, root_feat, model, root, &Tree::chain(LAYER_MAX_DEPTH), keep)?,
                 };
                 if grown.tree.len() > max_nodes {
                     return Ok(Proposal { tree: Tree::from_paths(&[]).expect("root-only tree"), tokens: vec![root], guesses: grown.guesses, scores: vec![1.0] });

@@ -306,7 +306,6 @@ impl Heads {
     /// as f32). Token ids stay exact.
     pub fn save_as(&self, dir: &Path, half: bool) -> Result<()> {
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-        let tmp = dir.join(format!("{WEIGHTS_FILE}.tmp"));
         let mut ts = self.tensors();
         if half {
             for (name, t) in ts.iter_mut() {
@@ -315,8 +314,7 @@ impl Heads {
                 }
             }
         }
-        candle_core::safetensors::save(&ts, &tmp)?;
-        std::fs::rename(&tmp, dir.join(WEIGHTS_FILE)).map_err(|e| Error::io(dir.join(WEIGHTS_FILE), e))?;
+        crate::files::save_safetensors(&ts, None, &dir.join(WEIGHTS_FILE))?;
         let json = serde_json::to_string_pretty(&self.cfg).expect("config serialises");
         crate::files::write_atomic(&dir.join(CONFIG_FILE), json.as_bytes())
     }
@@ -347,7 +345,7 @@ impl Heads {
         let vb = VarBuilder::from_tensors(ts, DType::F32, target.model.device());
         let mut heads = Self::load(vb, &cfg).map_err(|e| Error::bad_file(&w_path, e.to_string()))?;
         heads.bind_draft_vocab(target.model.lm_head().weight()).map_err(|e| Error::bad_file(&w_path, e.to_string()))?;
-        heads.set_draft_format(target.model.weight_format())?;
+        crate::cpu::quant::with_block_fallback(target.model.weight_format(), |f| heads.set_draft_format(f))?;
         Ok(heads)
     }
 
@@ -371,9 +369,7 @@ impl Heads {
             let w = if self.cfg.own_lm_head { self.own[k].weight().clone() } else { lm.clone() };
             m.insert(format!("{k}.{}.weight", self.cfg.num_layers), w);
         }
-        let tmp = dir.join("medusa_lm_head.safetensors.tmp");
-        candle_core::safetensors::save(&m, &tmp)?;
-        std::fs::rename(&tmp, dir.join("medusa_lm_head.safetensors")).map_err(|e| Error::io(dir, e))?;
+        crate::files::save_safetensors(&m, None, &dir.join("medusa_lm_head.safetensors"))?;
         let cfg = serde_json::json!({
             "medusa_num_heads": self.cfg.num_heads, "medusa_num_layers": self.cfg.num_layers,
             "hidden_size": self.cfg.hidden_size, "vocab_size": self.cfg.vocab_size,
@@ -431,7 +427,7 @@ impl Heads {
         };
         let vb = VarBuilder::from_tensors(renamed, DType::F32, target.model.device());
         let mut heads = Self::load(vb, &cfg)?;
-        heads.set_draft_format(target.model.weight_format())?;
+        crate::cpu::quant::with_block_fallback(target.model.weight_format(), |f| heads.set_draft_format(f))?;
         Ok(heads)
     }
 }

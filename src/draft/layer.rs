@@ -195,7 +195,7 @@ impl DraftLayer {
         let ids = ts.remove("draft_vocab").ok_or_else(|| Error::bad_file(&w_path, "no draft_vocab tensor"))?;
         let ids: Vec<u32> = ids.to_dtype(DType::F32)?.to_vec1::<f32>()?.into_iter().map(|x| x as u32).collect();
         let mut layer = Self::from_tensors(ts, ids, cfg, &target.model).map_err(|e| Error::bad_file(&w_path, e.to_string()))?;
-        layer.set_format(target.model.weight_format())?;
+        crate::cpu::quant::with_block_fallback(target.model.weight_format(), |f| layer.set_format(f))?;
         Ok(layer)
     }
 
@@ -225,9 +225,7 @@ impl DraftLayer {
         }
         let v: Vec<f32> = self.ids.iter().map(|&i| i as f32).collect();
         ts.insert("draft_vocab".into(), Tensor::from_vec(v, self.ids.len(), &Device::Cpu)?);
-        let tmp = dir.join(format!("{LAYER_WEIGHTS_FILE}.tmp"));
-        candle_core::safetensors::save(&ts, &tmp)?;
-        std::fs::rename(&tmp, dir.join(LAYER_WEIGHTS_FILE)).map_err(|e| Error::io(dir.join(LAYER_WEIGHTS_FILE), e))?;
+        crate::files::save_safetensors(&ts, None, &dir.join(LAYER_WEIGHTS_FILE))?;
         let json = serde_json::to_string_pretty(&self.cfg).expect("config serialises");
         crate::files::write_atomic(&dir.join(LAYER_CONFIG_FILE), json.as_bytes())
     }

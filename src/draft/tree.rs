@@ -9,6 +9,18 @@ use std::path::Path;
 use crate::cpu::TreeMask;
 use crate::{Error, Result};
 
+/// The most nodes (the root included) one step may verify, copied branches included. The CPU's
+/// batch-invariant matmul takes at most [`crate::cpu::ROW_KERNEL_MAX_ROWS`] rows; a bigger f32
+/// forward would run on candle's gemm, whose sums differ in the last bit, and greedy output could
+/// then differ from plain decoding. Every tree spec is checked against it before anything is built.
+pub const MAX_TREE_NODES: usize = crate::cpu::ROW_KERNEL_MAX_ROWS;
+
+/// The largest tree file read: 63 paths of at most 63 ranks fit in a few kilobytes.
+pub const MAX_TREE_FILE_BYTES: u64 = 1 << 16;
+
+/// The tree forms a `--tree` spec may take, for error messages.
+pub const TREE_FORMS: &str = "cpu, gpu, chain, chain:N, dynamic, dynamic:N, auto, auto:N, or a tree JSON file, each optionally with +lookup[:N]";
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct Node {
     pub parent: Option<usize>,
@@ -30,6 +42,9 @@ impl Tree {
     /// From Medusa-style rank paths (the root is implicit). Rejects trees that are not
     /// prefix-closed and duplicate paths.
     pub fn from_paths(paths: &[Vec<usize>]) -> Result<Self> {
+        if paths.len() + 1 > MAX_TREE_NODES {
+            return Err(Error::InvalidTree(format!("{} paths: a tree verifies at most {MAX_TREE_NODES} nodes, the root included", paths.len())));
+        }
         let mut sorted: Vec<Vec<usize>> = paths.to_vec();
         sorted.sort_by(|a, b| a.len().cmp(&b.len()).then_with(|| a.cmp(b)));
         let mut nodes = vec![Node { parent: None, depth: 0, rank: 0, children: vec![], path: vec![] }];
@@ -106,10 +121,20 @@ impl Tree {
                 if n == 0 {
                     return Err(Error::InvalidTree("chain:0 drafts nothing".into()));
                 }
+                if n + 1 > MAX_TREE_NODES {
+                    return Err(Error::InvalidTree(format!("'{s}': a tree verifies at most {MAX_TREE_NODES} nodes, the root included (chain:{} at most)", MAX_TREE_NODES - 1)));
+                }
                 Ok(Self::chain(n))
             }
             path => {
                 let p = Path::new(path);
+                let meta = std::fs::metadata(p).map_err(|e| match e.kind() {
+                    std::io::ErrorKind::NotFound => Error::InvalidTree(format!("'{path}' is neither a tree form nor a file; --tree takes {TREE_FORMS}")),
+                    _ => Error::io(p, e),
+                })?;
+                if meta.len() > MAX_TREE_FILE_BYTES {
+                    return Err(Error::bad_file(p, format!("a tree file of {} bytes; tree files hold at most {MAX_TREE_NODES} paths and are read up to {MAX_TREE_FILE_BYTES} bytes", meta.len())));
+                }
                 let text = std::fs::read_to_string(p).map_err(|e| Error::io(p, e))?;
                 Self::from_json(&text).map_err(|e| Error::bad_file(p, e.to_string()))
             }

@@ -265,24 +265,39 @@ pub fn evaluate(target: &Target, drafter: &Drafter, prompts: &[PromptItem], opts
 }
 
 /// Text with each run of accepted draft tokens wrapped in `[brackets]`.
+///
+/// The text is decoded as one stream and cut between tokens afterwards: decoding each run on its
+/// own drops the leading space a SentencePiece token carries ("wanted[to]play").
 pub fn mark_drafted(target: &Target, out: &[u32], drafted: &[bool]) -> Result<String> {
+    mark_pieces(&target.tokenizer, out, drafted)
+}
+
+fn mark_pieces(tok: &crate::model::tokenizer::Tokenizer, out: &[u32], drafted: &[bool]) -> Result<String> {
+    let mut stream = crate::decode::generate::TextStream::new(tok);
     let mut s = String::new();
-    let mut i = 0;
-    while i < out.len() {
-        let d = drafted.get(i).copied().unwrap_or(false);
-        let mut j = i;
-        while j < out.len() && drafted.get(j).copied().unwrap_or(false) == d {
-            j += 1;
+    let mut open = false;
+    // A piece can complete only after several tokens (a character split across byte tokens);
+    // it counts as drafted when all of its tokens were.
+    let mut all_drafted = true;
+    let mut put = |s: &mut String, piece: String, d: bool| {
+        if d != open {
+            s.push(if d { '[' } else { ']' });
+            open = d;
         }
-        let piece = target.tokenizer.decode(&out[i..j])?;
-        if d {
-            s.push('[');
-            s.push_str(&piece);
-            s.push(']');
-        } else {
-            s.push_str(&piece);
+        s.push_str(&piece);
+    };
+    for (i, &t) in out.iter().enumerate() {
+        all_drafted &= drafted.get(i).copied().unwrap_or(false);
+        if let Some(piece) = stream.push(t)? {
+            put(&mut s, piece, all_drafted);
+            all_drafted = true;
         }
-        i = j;
+    }
+    if let Some(piece) = stream.finish()? {
+        put(&mut s, piece, all_drafted && !out.is_empty());
+    }
+    if open {
+        s.push(']');
     }
     Ok(s)
 }
@@ -290,6 +305,32 @@ pub fn mark_drafted(target: &Target, out: &[u32], drafted: &[bool]) -> Result<St
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Marking keeps every character of the decoded text, SentencePiece's leading spaces
+    /// included: "▁to" decoded alone is "to", but in the stream it is " to".
+    #[test]
+    fn marked_sample_keeps_sentencepiece_spaces() {
+        use candle_core::quantized::gguf_file::Value as V;
+        let words = ["<unk>", "<s>", "</s>", "▁wanted", "▁to", "▁play", "▁the", "▁cat"];
+        let md: std::collections::HashMap<String, V> = [
+            ("tokenizer.ggml.model", V::String("llama".into())),
+            ("tokenizer.ggml.tokens", V::Array(words.iter().map(|w| V::String(w.to_string())).collect())),
+            ("tokenizer.ggml.scores", V::Array(words.iter().map(|_| V::F32(0.0)).collect())),
+            ("tokenizer.ggml.token_type", V::Array([2, 3, 3, 1, 1, 1, 1, 1].iter().map(|&t| V::I32(t)).collect())),
+            ("tokenizer.ggml.bos_token_id", V::U32(1)),
+            ("tokenizer.ggml.eos_token_id", V::U32(2)),
+            ("tokenizer.ggml.unknown_token_id", V::U32(0)),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        let tok = crate::model::tokenizer::Tokenizer::from_gguf(std::path::Path::new("sp.gguf"), &md).unwrap();
+        let out = [7, 3, 4, 5];
+        let marked = mark_pieces(&tok, &out, &[false, false, true, false]).unwrap();
+        assert_eq!(marked.replace(['[', ']'], ""), tok.decode(&out).unwrap());
+        assert_eq!(marked, "cat wanted[ to] play");
+        assert_eq!(mark_pieces(&tok, &out, &[true; 4]).unwrap(), "[cat wanted to play]");
+    }
 
     /// The median speed-up and the overall one (all tokens over all time) differ when turns do.
     #[test]

@@ -20,6 +20,9 @@ pub struct Target {
     pub model: Llama,
     pub tokenizer: Tokenizer,
     pub chat_template: Option<ChatTemplate>,
+    /// Why the model's chat template could not be used, when it has one that does not parse.
+    /// Kept rather than failing the load: plain prompts do not need the template.
+    pub chat_template_error: Option<String>,
     pub path: PathBuf,
     /// What `--weights native` keeps per tensor (empty for Hugging Face models: f32).
     pub native: NativeWeights,
@@ -62,16 +65,28 @@ impl Target {
 
     /// Render a single user prompt through the chat template, or fail if the model has none.
     pub fn chat_prompt(&self, messages: &[crate::model::tokenizer::Message]) -> Result<String> {
-        let t = self.chat_template.as_ref().ok_or_else(|| Error::bad_file(&self.path, "the model has no chat template; drop --chat"))?;
-        t.render(messages, true, &self.tokenizer.bos_token, &self.tokenizer.eos_token)
+        self.template()?.render(messages, true, &self.tokenizer.bos_token, &self.tokenizer.eos_token)
+    }
+
+    /// The chat template, or an error saying why there is none and what needs one.
+    fn template(&self) -> Result<&ChatTemplate> {
+        const NEEDS: &str = "chat prompts (generate --chat; eval, tune and distill, which answer their prompts as a chat) need one: use a model that has one, or `generate` without --chat";
+        match (&self.chat_template, &self.chat_template_error) {
+            (Some(t), _) => Ok(t),
+            (None, Some(e)) => Err(Error::bad_file(&self.path, format!("the model's chat template does not parse ({e}); {NEEDS}"))),
+            (None, None) => Err(Error::bad_file(&self.path, format!("the model has no chat template; {NEEDS}"))),
+        }
     }
 
     /// A whole conversation as training and datastore text: through the chat template without a
     /// generation prompt, or the turns joined by newlines for a model without one.
     pub fn render_conversation(&self, messages: &[crate::model::tokenizer::Message]) -> Result<String> {
-        match &self.chat_template {
-            Some(t) => t.render(messages, false, &self.tokenizer.bos_token, &self.tokenizer.eos_token),
-            None => Ok(messages.iter().map(|x| x.content.as_str()).collect::<Vec<_>>().join("\n")),
+        match (&self.chat_template, &self.chat_template_error) {
+            (Some(t), _) => t.render(messages, false, &self.tokenizer.bos_token, &self.tokenizer.eos_token),
+            // A template that is there but broken: joining the turns would silently train on
+            // other text than the model sees at inference.
+            (None, Some(_)) => self.template().and_then(|t| t.render(messages, false, &self.tokenizer.bos_token, &self.tokenizer.eos_token)),
+            (None, None) => Ok(messages.iter().map(|x| x.content.as_str()).collect::<Vec<_>>().join("\n")),
         }
     }
 
@@ -295,15 +310,10 @@ fn load_gguf(path: &Path, mut f: std::fs::File, device: &Device) -> Result<Targe
             ts.insert(hn.clone(), read_as(&format!("{b}.{g}"), &hn, None)?);
         }
     }
-    let chat_template = md
-        .get("tokenizer.chat_template")
-        .and_then(|v| v.to_string().ok())
-        .map(|s| ChatTemplate::new(s.clone()))
-        .transpose()
-        .map_err(|e| Error::bad_file(path, e.to_string()))?;
+    let (chat_template, chat_template_error) = usable_template(md.get("tokenizer.chat_template").and_then(|v| v.to_string().ok()).cloned());
     let vb = VarBuilder::from_tensors(ts, DType::F32, device);
     let model = Llama::load(vb, &cfg).map_err(|e| Error::bad_file(path, e.to_string()))?;
-    Ok(Target { model, tokenizer, chat_template, path: path.to_path_buf(), native })
+    Ok(Target { model, tokenizer, chat_template, chat_template_error, path: path.to_path_buf(), native })
 }
 
 fn read_json(path: &Path) -> Result<serde_json::Value> {
@@ -418,20 +428,23 @@ fn load_hf(dir: &Path, device: &Device) -> Result<Target> {
         tokenizer.bos_id = cfg.bos_token_id;
     }
     cfg.eos_token_ids = tokenizer.eos_ids.clone();
-    let chat_template = match tc.get("chat_template") {
-        Some(serde_json::Value::String(s)) => Some(ChatTemplate::new(s.clone())?),
-        Some(serde_json::Value::Array(a)) => a
-            .iter()
-            .find(|t| t["name"] == "default")
-            .or_else(|| a.first())
-            .and_then(|t| t["template"].as_str())
-            .map(|s| ChatTemplate::new(s.to_string()))
-            .transpose()?,
+    let (chat_template, chat_template_error) = usable_template(match tc.get("chat_template") {
+        Some(serde_json::Value::String(s)) => Some(s.clone()),
+        Some(serde_json::Value::Array(a)) => a.iter().find(|t| t["name"] == "default").or_else(|| a.first()).and_then(|t| t["template"].as_str()).map(str::to_string),
         _ => None,
-    };
+    });
     let vb = VarBuilder::from_tensors(ts, DType::F32, device);
     let model = Llama::load(vb, &cfg).map_err(|e| Error::bad_file(dir, e.to_string()))?;
-    Ok(Target { model, tokenizer, chat_template, path: dir.to_path_buf(), native: NativeWeights::new() })
+    Ok(Target { model, tokenizer, chat_template, chat_template_error, path: dir.to_path_buf(), native: NativeWeights::new() })
+}
+
+/// A template source as a usable template, or the reason it is not one.
+fn usable_template(source: Option<String>) -> (Option<ChatTemplate>, Option<String>) {
+    match source.map(ChatTemplate::new) {
+        None => (None, None),
+        Some(Ok(t)) => (Some(t), None),
+        Some(Err(e)) => (None, Some(e.to_string())),
+    }
 }
 
 /// Parse `--device cpu|cuda[:N]|metal`.
@@ -451,6 +464,29 @@ pub fn parse_device(s: &str) -> Result<Device> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A chat template that does not parse leaves the model usable for plain prompts; only what
+    /// needs the template fails, naming the file and what to do.
+    #[test]
+    fn broken_chat_template_fails_only_where_needed() {
+        let dir = std::env::temp_dir().join(format!("selfspec-broken-template-{}", std::process::id()));
+        let cfg = crate::model::fixtures::tiny_config();
+        let w = crate::model::fixtures::random_weights(&cfg, 3).unwrap();
+        crate::model::fixtures::write_hf(&dir, &cfg, &w).unwrap();
+        let tc = dir.join("tokenizer_config.json");
+        let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&tc).unwrap()).unwrap();
+        v["chat_template"] = serde_json::json!("{% for m in messages %}{{ m.content }");
+        std::fs::write(&tc, v.to_string()).unwrap();
+        let t = Target::load(&dir, &Device::Cpu).unwrap();
+        assert!(t.chat_template.is_none() && t.chat_template_error.is_some());
+        assert!(!t.encode_prompt("the cat", false).unwrap().is_empty());
+        let e = t.encode_prompt("the cat", true).unwrap_err().to_string();
+        assert!(e.contains("does not parse") && e.contains("without --chat"), "{e}");
+        let m = [crate::model::tokenizer::Message { role: "user".into(), content: "hi".into() }];
+        assert!(t.render_conversation(&m).is_err(), "a broken template must not silently become joined turns");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
     #[test]
     fn permute_round_trip_and_devices() {
         let w = Tensor::arange(0f32, 48., &Device::Cpu).unwrap().reshape((8, 6)).unwrap();

@@ -96,7 +96,8 @@ pub fn generate_spec(
 ) -> Result<(Vec<u32>, SpecStats)> {
     opts.params.validate()?;
     drafter.validate_tree(&opts.tree)?;
-    let (mut live, refit) = match opts.tree.clone().with_costs(model, opts.lookup.map_or(0, |l| l.max_tokens))? {
+    let choice = drafter.resolve(&opts.tree);
+    let (mut live, refit) = match choice.clone().with_costs(model, opts.lookup.map_or(0, |l| l.max_tokens))? {
         TreeChoice::Auto(b) => (b.costs.as_deref().map(LiveCosts::new), b.fit_to_device),
         _ => (None, false),
     };
@@ -112,7 +113,7 @@ pub fn generate_spec(
     let mut history = prompt.to_vec();
     let mut out: Vec<u32> = Vec::new();
     let mut stats = SpecStats::default();
-    if let TreeChoice::Static(t) = &opts.tree {
+    if let TreeChoice::Static(t) = &choice {
         stats.node_tries_hits = vec![(0, 0); t.len()];
     }
     // (index in `out` of the root, per level top-5 draft ids) for accuracy after the fact.
@@ -135,7 +136,7 @@ pub fn generate_spec(
                 refitted = TreeChoice::Auto(Budget { max_nodes: c.affordable(AFFORDABLE_COST).clamp(2, AUTO_NODES), costs: None, fit_to_device: true });
                 &refitted
             }
-            _ => &opts.tree,
+            _ => &choice,
         };
         let proposal = state.propose(model, root, choice, ACC_K, max_pos - committed, min_expand)?;
         levels += proposal.tree.depth().saturating_sub(1);
@@ -179,7 +180,7 @@ pub fn generate_spec(
         if costs.is_some() {
             calib.learn(&draft, &verdict.accepted);
         }
-        if let TreeChoice::Static(_) = &opts.tree {
+        if let TreeChoice::Static(_) = &choice {
             for (i, n) in tree.nodes().iter().enumerate().take(drafted_nodes).skip(1) {
                 if verdict.accepted.contains(&n.parent.unwrap()) {
                     stats.node_tries_hits[i].0 += 1;

@@ -2,7 +2,8 @@
 //! context or a datastore.
 use crate::draft::choice::TreeChoice;
 use crate::draft::lookup::Lookup;
-use crate::Result;
+use crate::draft::tree::MAX_TREE_NODES;
+use crate::{Error, Result};
 
 /// The tree `generate` and `eval` use unless told otherwise, and what `tune` measures its pick
 /// against: grown per step and cut by this device's measured costs, plus a copied branch of up
@@ -27,6 +28,20 @@ impl Plan {
             None if std::path::Path::new(tree).is_file() => Lookup::from_tree_file(std::path::Path::new(tree))?,
             None => None,
         };
+        if let Some(l) = &lookup {
+            let tree_nodes = match &choice {
+                TreeChoice::Static(t) => t.len(),
+                TreeChoice::Dynamic(n) => *n,
+                TreeChoice::Auto(b) => b.max_nodes,
+                TreeChoice::Chain => 1 + crate::draft::drafter::LAYER_MAX_DEPTH,
+            };
+            if l.max_tokens > MAX_TREE_NODES || tree_nodes + l.max_tokens > MAX_TREE_NODES {
+                return Err(Error::InvalidTree(format!(
+                    "'{spec}': up to {tree_nodes} tree nodes and {} copied tokens; one step verifies at most {MAX_TREE_NODES} nodes, the root included",
+                    l.max_tokens
+                )));
+            }
+        }
         Ok(Plan { tree: choice, lookup })
     }
 }
@@ -44,5 +59,10 @@ mod tests {
         let p = Plan::parse("chain:3").unwrap();
         assert!(matches!(p.tree, TreeChoice::Static(_)) && p.lookup.is_none());
         assert!(Plan::parse("dynamic:1").is_err());
+        // The tree and its copied branch together stay within one verification forward's rows.
+        assert!(Plan::parse("dynamic:40+lookup:24").is_ok());
+        let e = Plan::parse("dynamic:48+lookup:24").unwrap_err().to_string();
+        assert!(e.contains("at most 64"), "{e}");
+        assert!(Plan::parse("gpu+lookup").is_err());
     }
 }

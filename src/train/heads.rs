@@ -355,15 +355,35 @@ pub fn learning_rate(step: usize, total: usize, warmup: usize, peak: f64) -> f64
     peak * (0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * p.min(1.0)).cos()))
 }
 
+/// What a checkpoint records besides the optimizer's tensors. It travels inside the safetensors
+/// file's header, so the tensors and the step they belong to are written (and renamed into place)
+/// as one unit: a kill can leave the previous checkpoint or the new one, never a mix of the two.
 #[derive(Serialize, Deserialize)]
 struct CheckpointMeta {
     step: usize,
     losses: Vec<f64>,
     config: TrainConfig,
+    /// [`data_fingerprint`] of the documents trained on: resuming on other data is refused.
+    #[serde(default)]
+    data: Option<String>,
 }
 
 const CKPT_TENSORS: &str = "checkpoint.safetensors";
+/// Where checkpoints of earlier versions kept their metadata; read when the header has none.
 const CKPT_META: &str = "checkpoint.json";
+/// The safetensors header key holding the [`CheckpointMeta`] JSON.
+const CKPT_META_KEY: &str = "selfspec_checkpoint";
+
+/// A fingerprint of the training documents, in order: a resumed run must see the same data.
+pub fn data_fingerprint(docs: &[Document]) -> String {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    for d in docs {
+        h.update((d.text.len() as u64).to_le_bytes());
+        h.update(d.text.as_bytes());
+    }
+    h.finalize().iter().take(12).map(|b| format!("{b:02x}")).collect()
+}
 
 /// Row indices and labels of one batch: positions `t` of chunks, with per-head targets.
 struct Batch {
@@ -630,21 +650,36 @@ pub(crate) fn warm_start(varmap: &VarMap, from: &HashMap<String, Tensor>, source
 }
 
 /// Restore optimizer state and losses from `out`'s checkpoint when resuming and one exists.
-pub(crate) fn resume_from(out: &Path, cfg: &TrainConfig, opt: &mut AdamW, device: &candle_core::Device, total_steps: usize, log: &mut dyn FnMut(String)) -> Result<Vec<f64>> {
-    if !out.join(CKPT_META).exists() {
+pub(crate) fn resume_from(out: &Path, cfg: &TrainConfig, data: &str, opt: &mut AdamW, device: &candle_core::Device, total_steps: usize, log: &mut dyn FnMut(String)) -> Result<Vec<f64>> {
+    let tp = out.join(CKPT_TENSORS);
+    if !tp.exists() {
         return Ok(Vec::new());
     }
-    let meta_path = out.join(CKPT_META);
-    let text = std::fs::read_to_string(&meta_path).map_err(|e| Error::io(&meta_path, e))?;
+    let bytes = std::fs::read(&tp).map_err(|e| Error::io(&tp, e))?;
+    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| Error::bad_file(&tp, format!("invalid checkpoint: {e}")))?;
+    let (meta_path, text) = match header.metadata().as_ref().and_then(|m| m.get(CKPT_META_KEY)) {
+        Some(t) => (tp.clone(), t.clone()),
+        None => {
+            let mp = out.join(CKPT_META);
+            let t = std::fs::read_to_string(&mp).map_err(|e| Error::io(&mp, e))?;
+            (mp, t)
+        }
+    };
     let meta: CheckpointMeta = serde_json::from_str(&text).map_err(|e| Error::bad_file(&meta_path, format!("invalid checkpoint: {e}")))?;
+    match &meta.data {
+        Some(d) if d != data => {
+            return Err(Error::bad_file(&meta_path, format!("the checkpoint was trained on other data (fingerprint {d}, this run's {data}); resume with the same --data, or train into a new --out")))
+        }
+        Some(_) => {}
+        None => log(format!("{}: an older checkpoint without a data fingerprint; resuming on trust that --data is the same", meta_path.display())),
+    }
     if serde_json::to_value(&meta.config).ok() != serde_json::to_value(cfg).ok().map(|mut v| {
         v["max_steps"] = serde_json::to_value(meta.config.max_steps).unwrap();
         v
     }) {
         return Err(Error::bad_file(&meta_path, "the checkpoint was made with other training settings; resume with the same flags"));
     }
-    let tp = out.join(CKPT_TENSORS);
-    let st = candle_core::safetensors::load(&tp, device).map_err(|e| Error::bad_file(&tp, e.to_string()))?;
+    let st = candle_core::safetensors::load_buffer(&bytes, device).map_err(|e| Error::bad_file(&tp, e.to_string()))?;
     opt.restore(&st, meta.step)?;
     log(format!("resumed from step {} of {total_steps}", meta.step));
     Ok(meta.losses)
@@ -710,11 +745,12 @@ pub fn train(
     let restricted = heads.draft_vocab().is_some();
     let slot = |t: u32| -> Option<u32> { if restricted { slot_of.get(&t).copied() } else { Some(t) } };
     let mut opt = AdamW::new(&varmap, cfg.weight_decay)?;
-    let mut losses = if resume { resume_from(out, cfg, &mut opt, &device, total_steps, log)? } else { Vec::new() };
+    let data = data_fingerprint(docs);
+    let mut losses = if resume { resume_from(out, cfg, &data, &mut opt, &device, total_steps, log)? } else { Vec::new() };
 
     let embed = |t: &[u32]| target.model.embed(t);
     let done = run_steps(
-        StepsSetup { cfg, out, train_set: &train_set, per_epoch, total_steps, batches_for_epoch: &batches_for_epoch, val_levels: "" },
+        StepsSetup { cfg, out, data: &data, train_set: &train_set, per_epoch, total_steps, batches_for_epoch: &batches_for_epoch, val_levels: "" },
         &mut opt,
         &mut losses,
         progress,
@@ -730,7 +766,7 @@ pub fn train(
     // Trained: now build the inference copies for drafting (they would go stale if built
     // while the weights were still changing).
     let mut heads = heads;
-    heads.set_draft_format(target.model.weight_format())?;
+    crate::cpu::quant::with_block_fallback(target.model.weight_format(), |f| heads.set_draft_format(f))?;
     Ok((heads, report))
 }
 
@@ -757,6 +793,8 @@ pub(crate) fn held_out_set<'a>(target: &Target, docs: &[Document], cfg: &'a Trai
 pub(crate) struct StepsSetup<'a> {
     pub cfg: &'a TrainConfig,
     pub out: &'a Path,
+    /// [`data_fingerprint`] of the run's documents, recorded in each checkpoint.
+    pub data: &'a str,
     pub train_set: &'a [Example],
     pub per_epoch: usize,
     pub total_steps: usize,
@@ -787,7 +825,7 @@ pub(crate) fn run_steps(
     batch_loss: &mut dyn FnMut(&[usize]) -> Result<(Tensor, Vec<(usize, usize)>)>,
     validate: &mut dyn FnMut() -> Result<Option<HeadAccuracy>>,
 ) -> Result<StepsDone> {
-    let StepsSetup { cfg, out, train_set, per_epoch, total_steps, batches_for_epoch, val_levels } = setup;
+    let StepsSetup { cfg, out, data, train_set, per_epoch, total_steps, batches_for_epoch, val_levels } = setup;
     let t_train = Instant::now();
     let start_step = opt.step;
     let mut tokens_seen = 0usize;
@@ -810,7 +848,7 @@ pub(crate) fn run_steps(
         }
         progress(step, total_steps, lv, &running, tokens_seen as f64 / t_train.elapsed().as_secs_f64());
         if step.is_multiple_of(cfg.checkpoint_every) || step == total_steps {
-            save_checkpoint(out, opt, losses, cfg)?;
+            save_checkpoint(out, opt, losses, cfg, data)?;
         }
         if step.is_multiple_of(per_epoch) {
             if let Some(v) = validate()? {
@@ -843,12 +881,16 @@ pub(crate) fn fmt(v: &[f64]) -> Vec<String> {
     v.iter().map(|x| format!("{x:.3}")).collect()
 }
 
-pub(crate) fn save_checkpoint(out: &Path, opt: &AdamW, losses: &[f64], cfg: &TrainConfig) -> Result<()> {
-    let tmp = out.join(format!("{CKPT_TENSORS}.tmp"));
-    candle_core::safetensors::save(&opt.state(), &tmp)?;
-    std::fs::rename(&tmp, out.join(CKPT_TENSORS)).map_err(|e| Error::io(out.join(CKPT_TENSORS), e))?;
-    let meta = CheckpointMeta { step: opt.step, losses: losses.to_vec(), config: cfg.clone() };
-    crate::files::write_atomic(&out.join(CKPT_META), serde_json::to_string(&meta).expect("meta serialises").as_bytes())
+pub(crate) fn save_checkpoint(out: &Path, opt: &AdamW, losses: &[f64], cfg: &TrainConfig, data: &str) -> Result<()> {
+    let meta = CheckpointMeta { step: opt.step, losses: losses.to_vec(), config: cfg.clone(), data: Some(data.to_string()) };
+    let meta = serde_json::to_string(&meta).expect("meta serialises");
+    crate::files::save_safetensors(&opt.state(), Some((CKPT_META_KEY, &meta)), &out.join(CKPT_TENSORS))?;
+    // An earlier version's separate metadata file would now describe another step.
+    let old = out.join(CKPT_META);
+    if old.exists() {
+        std::fs::remove_file(&old).map_err(|e| Error::io(&old, e))?;
+    }
+    Ok(())
 }
 
 /// Input paths of a run, for the recipe record.

@@ -176,10 +176,11 @@ pub fn train_layer(
         log(format!("starting from the draft layer in {}", dir.display()));
     }
     let mut opt = AdamW::new(&varmap, cfg.weight_decay)?;
-    let mut losses = if resume { resume_from(out, cfg, &mut opt, &device, total_steps, log)? } else { Vec::new() };
+    let data = crate::train::heads::data_fingerprint(docs);
+    let mut losses = if resume { resume_from(out, cfg, &data, &mut opt, &device, total_steps, log)? } else { Vec::new() };
 
     let done = run_steps(
-        StepsSetup { cfg, out, train_set: &train_set, per_epoch, total_steps, batches_for_epoch: &batches_for_epoch, val_levels: LEVELS_NOTE },
+        StepsSetup { cfg, out, data: &data, train_set: &train_set, per_epoch, total_steps, batches_for_epoch: &batches_for_epoch, val_levels: LEVELS_NOTE },
         &mut opt,
         &mut losses,
         progress,
@@ -204,6 +205,6 @@ pub fn train_layer(
     let val = if val_set.is_empty() { HeadAccuracy::default() } else { validate_layer(&layer, &ids, target, &val_set)? };
     let report = TrainReport::new((train_tokens, val_tokens, hidden_secs), done.step, &losses, val, done.secs, done.tokens_seen);
     let mut trained = DraftLayer::from_tensors(layer.tensors()?, ids, lcfg, &target.model)?;
-    trained.set_format(target.model.weight_format())?;
+    crate::cpu::quant::with_block_fallback(target.model.weight_format(), |f| trained.set_format(f))?;
     Ok((trained, report))
 }
