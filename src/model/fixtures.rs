@@ -200,6 +200,29 @@ pub fn write_hf(dir: &Path, cfg: &Config, weights: &HashMap<String, Tensor>) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A chat template that does not parse leaves the model usable for plain prompts; only what
+    /// needs the template fails, naming the file and what to do.
+    #[test]
+    fn broken_chat_template_fails_only_where_needed() {
+        let dir = std::env::temp_dir().join(format!("selfspec-broken-template-{}", std::process::id()));
+        let cfg = tiny_config();
+        let w = random_weights(&cfg, 3).unwrap();
+        write_hf(&dir, &cfg, &w).unwrap();
+        let tc = dir.join("tokenizer_config.json");
+        let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&tc).unwrap()).unwrap();
+        v["chat_template"] = serde_json::json!("{% for m in messages %}{{ m.content }");
+        std::fs::write(&tc, v.to_string()).unwrap();
+        let t = crate::model::loader::Target::load(&dir, &Device::Cpu).unwrap();
+        assert!(t.chat_template.is_none() && t.chat_template_error.is_some());
+        assert!(!t.encode_prompt("the cat", false).unwrap().is_empty());
+        let e = t.encode_prompt("the cat", true).unwrap_err().to_string();
+        assert!(e.contains("does not parse") && e.contains("without --chat"), "{e}");
+        let m = [crate::model::tokenizer::Message { role: "user".into(), content: "hi".into() }];
+        assert!(t.render_conversation(&m).is_err(), "a broken template must not silently become joined turns");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
     #[test]
     fn byte_map_is_a_bijection() {
         let m = byte_to_char();
