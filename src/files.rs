@@ -19,6 +19,20 @@ pub fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> Result<()> {
     Ok(())
 }
 
+/// The largest JSON/text configuration file read whole (drafter configs, tree files, a model's
+/// config.json and tokenizer_config.json): they describe, they do not hold weights.
+pub const MAX_CONFIG_BYTES: u64 = 64 << 20;
+
+/// Read a configuration file whole, after checking it is no larger than [`MAX_CONFIG_BYTES`].
+pub fn read_config(path: &std::path::Path) -> Result<String> {
+    let len = std::fs::metadata(path).map_err(|e| Error::io(path, e))?.len();
+    if len > MAX_CONFIG_BYTES {
+        return Err(Error::bad_file(path, format!("{len} bytes; a configuration file is read whole only up to {MAX_CONFIG_BYTES}")));
+    }
+    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    String::from_utf8(bytes).map_err(|_| Error::bad_file(path, "not UTF-8 text"))
+}
+
 /// Write tensors as a safetensors file atomically (sibling temporary file, then rename), with an
 /// optional header entry. Written through [`write_atomic`], so the file gets the usual
 /// umask-respecting mode (0644 under the common umask; candle's writer made weight files 0600
@@ -86,12 +100,18 @@ pub fn check_writable(path: &std::path::Path) -> Result<()> {
     probe_dir(&dir).map_err(|e| Error::io(path, std::io::Error::new(e.kind(), format!("cannot be written: {e}"))))
 }
 
-/// As [`check_writable`] for an output folder: created if missing, and a file can be made in it.
+/// As [`check_writable`] for an output folder: a file can be made in it. A folder this check
+/// had to create is removed again, so a run that fails later leaves nothing behind.
 pub fn check_writable_dir(dir: &std::path::Path) -> Result<()> {
     if dir.exists() && !dir.is_dir() {
         return Err(Error::bad_file(dir, "exists and is not a directory"));
     }
-    probe_dir(dir).map_err(|e| Error::io(dir, std::io::Error::new(e.kind(), format!("cannot be written: {e}"))))
+    let existed = dir.exists();
+    probe_dir(dir).map_err(|e| Error::io(dir, std::io::Error::new(e.kind(), format!("cannot be written: {e}"))))?;
+    if !existed {
+        let _ = std::fs::remove_dir(dir);
+    }
+    Ok(())
 }
 
 fn probe_dir(dir: &std::path::Path) -> std::io::Result<()> {
@@ -145,6 +165,7 @@ mod tests {
         assert!(dir.join("sub").is_dir());
         assert_eq!(std::fs::read_dir(dir.join("sub")).unwrap().count(), 0, "the probe is removed");
         check_writable_dir(&dir.join("out")).unwrap();
+        assert!(!dir.join("out").exists(), "a folder the check made is removed again");
         assert!(check_writable(&dir).unwrap_err().to_string().contains("is a directory"));
         std::fs::write(dir.join("f"), b"x").unwrap();
         assert!(check_writable_dir(&dir.join("f")).unwrap_err().to_string().contains("not a directory"));

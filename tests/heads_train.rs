@@ -179,6 +179,12 @@ fn heads_round_trip_and_reject_other_targets() {
     let (_, other) = tiny_gguf("heads-rt-other", 99);
     let e = Heads::from_dir(&dir, &other).err().expect("must refuse").to_string();
     assert!(e.contains("trained for") && e.contains("hash"), "{e}");
+    // The Medusa export records the model's name (not a local path) and its fingerprint, so an
+    // import refuses another model even where the shapes agree.
+    let mcfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(mdir.join("config.json")).unwrap()).unwrap();
+    assert_eq!(mcfg["base_model_name_or_path"], "tiny");
+    let e = Heads::import_medusa(&mdir, &other).err().expect("must refuse").to_string();
+    assert!(e.contains("trained for") && e.contains("hash"), "{e}");
     // Token-aware heads round-trip too, depend on the root token, and refuse Medusa export.
     let (ta, _) = run(&t, &TrainConfig { epochs: 1, ..quick_cfg() }, &scratch("heads-rt-ta"), false);
     assert!(ta.config().token_aware);

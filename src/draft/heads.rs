@@ -332,7 +332,7 @@ impl Heads {
             }
             return Err(Error::bad_file(dir, format!("heads directory needs {CONFIG_FILE} and {WEIGHTS_FILE} (or a Medusa medusa_lm_head.safetensors + config.json)")));
         }
-        let s = std::fs::read_to_string(&cfg_path).map_err(|e| Error::io(&cfg_path, e))?;
+        let s = crate::files::read_config(&cfg_path)?;
         let cfg: HeadsConfig = serde_json::from_str(&s).map_err(|e| Error::bad_file(&cfg_path, format!("invalid heads config: {e}")))?;
         let fp = target.fingerprint()?;
         if cfg.target != fp {
@@ -373,7 +373,10 @@ impl Heads {
         let cfg = serde_json::json!({
             "medusa_num_heads": self.cfg.num_heads, "medusa_num_layers": self.cfg.num_layers,
             "hidden_size": self.cfg.hidden_size, "vocab_size": self.cfg.vocab_size,
-            "base_model_name_or_path": target.path.display().to_string(),
+            // The model's name, not a path on this machine; the fingerprint lets an import here
+            // refuse heads exported for another model.
+            "base_model_name_or_path": target.path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default(),
+            "selfspec_target": target.fingerprint()?,
         });
         crate::files::write_atomic(&dir.join("config.json"), cfg.to_string().as_bytes())
     }
@@ -382,12 +385,30 @@ impl Heads {
     pub fn import_medusa(dir: &Path, target: &Target) -> Result<Self> {
         let cfg_path = dir.join("config.json");
         let w_path = dir.join("medusa_lm_head.safetensors");
-        let s = std::fs::read_to_string(&cfg_path).map_err(|e| Error::io(&cfg_path, e))?;
+        let s = crate::files::read_config(&cfg_path)?;
         let c: serde_json::Value = serde_json::from_str(&s).map_err(|e| Error::bad_file(&cfg_path, format!("invalid JSON: {e}")))?;
         let get = |k: &str| c[k].as_u64().map(|v| v as usize).ok_or_else(|| Error::bad_file(&cfg_path, format!("missing '{k}'")));
         let (k_heads, layers) = (get("medusa_num_heads")?, get("medusa_num_layers")?);
-        let ts = candle_core::safetensors::load(&w_path, &Device::Cpu).map_err(|e| Error::bad_file(&w_path, format!("not a readable safetensors file: {e}")))?;
+        // Check the base model as far as the config records it: the sizes Medusa's config has,
+        // and the fingerprint selfspec's export adds.
         let mcfg = target.model.config();
+        let here = target.fingerprint()?;
+        let mismatch = |recorded: String| Error::HeadsMismatch { heads: dir.to_path_buf(), heads_target: recorded, model_target: here.to_string() };
+        for (key, want) in [("hidden_size", mcfg.hidden_size), ("vocab_size", mcfg.vocab_size)] {
+            if let Some(v) = c[key].as_u64().filter(|&v| v as usize != want) {
+                return Err(mismatch(format!("a model with {key} {v}")));
+            }
+        }
+        if let Some(fp) = c.get("selfspec_target").filter(|v| !v.is_null()) {
+            let fp: crate::model::loader::Fingerprint = serde_json::from_value(fp.clone()).map_err(|e| Error::bad_file(&cfg_path, format!("invalid selfspec_target: {e}")))?;
+            if fp != here {
+                return Err(mismatch(fp.to_string()));
+            }
+        }
+        if k_heads == 0 || layers > 16 || k_heads > 64 {
+            return Err(Error::bad_file(&cfg_path, format!("{k_heads} heads of {layers} layers: expected 1 to 64 heads of at most 16 layers")));
+        }
+        let ts = candle_core::safetensors::load(&w_path, &Device::Cpu).map_err(|e| Error::bad_file(&w_path, format!("not a readable safetensors file: {e}")))?;
         let lm = target.model.lm_head().weight().to_device(&Device::Cpu)?;
         let mut own = false;
         let mut renamed = HashMap::new();

@@ -183,7 +183,7 @@ impl DraftLayer {
     pub fn from_dir(dir: &Path, target: &Target) -> Result<Self> {
         let cfg_path = dir.join(LAYER_CONFIG_FILE);
         let w_path = dir.join(LAYER_WEIGHTS_FILE);
-        let s = std::fs::read_to_string(&cfg_path).map_err(|e| Error::io(&cfg_path, e))?;
+        let s = crate::files::read_config(&cfg_path)?;
         let cfg: DraftLayerConfig = serde_json::from_str(&s).map_err(|e| Error::bad_file(&cfg_path, format!("invalid draft layer config: {e}")))?;
         let fp = target.fingerprint()?;
         if cfg.target != fp {

@@ -52,7 +52,7 @@ impl Lookup {
 
     /// The `"lookup": N` entry of a tree file (`tune` writes it when the lookup measured faster).
     pub fn from_tree_file(path: &std::path::Path) -> Result<Option<Lookup>> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = crate::files::read_config(path)?;
         let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::bad_file(path, format!("not JSON: {e}")))?;
         match v.get("lookup") {
             None | Some(serde_json::Value::Null) => Ok(None),

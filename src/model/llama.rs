@@ -14,6 +14,9 @@ use crate::model::kv_cache::KvCache;
 use crate::{Error, Result};
 
 
+/// The longest context a model may declare (its rotary tables are built for all of it at load).
+pub const MAX_CONTEXT: usize = 1 << 21;
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Config {
     /// "llama", "mistral" or "qwen2": recorded in head fingerprints.
@@ -45,6 +48,14 @@ impl Config {
         }
         if self.vocab_size == 0 || self.hidden_size == 0 || self.num_layers == 0 || self.max_position == 0 {
             return Err("vocabulary, hidden size, layer count and context must be positive".into());
+        }
+        if self.num_heads.checked_mul(self.head_dim).is_none() || self.hidden_size.checked_mul(self.intermediate_size.max(1)).is_none() {
+            return Err(format!("sizes out of range: {} heads of {} dimensions, hidden {}, FFN {}", self.num_heads, self.head_dim, self.hidden_size, self.intermediate_size));
+        }
+        // The rotary tables are built for the whole context at load (8 bytes per position and
+        // dimension pair); a context past this is refused rather than allocated.
+        if self.max_position > MAX_CONTEXT {
+            return Err(format!("a context of {} tokens; at most {MAX_CONTEXT} are supported", self.max_position));
         }
         Ok(())
     }

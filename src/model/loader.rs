@@ -153,6 +153,42 @@ pub const GGUF_LAYER_TENSORS: [(&str, &str); 7] = [
     ("ffn_down.weight", "mlp.down_proj.weight"),
 ];
 
+/// Every tensor the model reads, with the shape the metadata implies for it (GGUF lists dims
+/// innermost last here, as candle reports them), and its extent inside the file. Checked before
+/// any tensor is read: a file whose header disagrees with its metadata (a corrupt or hostile
+/// one) must fail with a message, not index past a buffer or allocate what the metadata claims.
+fn check_tensor_shapes(ct: &gguf_file::Content, cfg: &Config, path: &Path) -> Result<()> {
+    let (h, q, kv, f) = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size);
+    // Nine tensors a layer: a block count the file cannot hold is refused before it is looped over.
+    if cfg.num_layers > ct.tensor_infos.len() / 9 {
+        return Err(Error::bad_file(path, format!("the metadata says {} layers but the file has {} tensors", cfg.num_layers, ct.tensor_infos.len())));
+    }
+    let check = |name: &str, shape: &[usize]| -> Result<()> {
+        let info = ct.tensor_infos.get(name).ok_or_else(|| Error::bad_file(path, format!("no {name} tensor")))?;
+        if info.shape.dims() != shape {
+            return Err(Error::bad_file(path, format!("tensor {name} has shape {:?}, but the metadata implies {shape:?}", info.shape.dims())));
+        }
+        Ok(())
+    };
+    check("token_embd.weight", &[cfg.vocab_size, h])?;
+    check("output_norm.weight", &[h])?;
+    if !cfg.tie_embeddings {
+        check("output.weight", &[cfg.vocab_size, h])?;
+    }
+    for i in 0..cfg.num_layers {
+        let b = |n: &str| format!("blk.{i}.{n}");
+        for (n, shape) in [("attn_q.weight", vec![q, h]), ("attn_k.weight", vec![kv, h]), ("attn_v.weight", vec![kv, h]), ("attn_output.weight", vec![h, q]), ("attn_norm.weight", vec![h]), ("ffn_norm.weight", vec![h]), ("ffn_gate.weight", vec![f, h]), ("ffn_up.weight", vec![f, h]), ("ffn_down.weight", vec![h, f])] {
+            check(&b(n), &shape)?;
+        }
+        if cfg.attention_bias {
+            for (n, shape) in [("attn_q.bias", q), ("attn_k.bias", kv), ("attn_v.bias", kv)] {
+                check(&b(n), &[shape])?;
+            }
+        }
+    }
+    Ok(())
+}
+
 fn gguf_err(path: &Path, e: candle_core::Error) -> Error {
     Error::bad_file(path, format!("not a readable GGUF file: {e}"))
 }
@@ -203,10 +239,14 @@ fn load_gguf(path: &Path, mut f: std::fs::File, device: &Device) -> Result<Targe
     // Check every tensor lies inside the file before reading any: a truncated download is the
     // most common broken GGUF and deserves a precise message.
     for (name, info) in ct.tensor_infos.iter() {
-        let bytes = info.shape.elem_count() / info.ggml_dtype.block_size() * info.ggml_dtype.type_size();
-        let end = ct.tensor_data_offset + info.offset + bytes as u64;
-        if end > file_size {
-            return Err(Error::bad_file(path, format!("truncated: tensor {name} ends at byte {end} but the file has {file_size} bytes")));
+        let elems = info.shape.dims().iter().try_fold(1u64, |n, &d| n.checked_mul(d as u64));
+        let block = info.ggml_dtype.block_size() as u64;
+        let bytes = elems.filter(|e| e % block == 0).and_then(|e| (e / block).checked_mul(info.ggml_dtype.type_size() as u64));
+        let end = bytes.and_then(|b| ct.tensor_data_offset.checked_add(info.offset)?.checked_add(b));
+        match end {
+            None => return Err(Error::bad_file(path, format!("tensor {name}: shape {:?} is not a whole number of {:?} blocks, or its size overflows", info.shape.dims(), info.ggml_dtype))),
+            Some(end) if end > file_size => return Err(Error::bad_file(path, format!("truncated: tensor {name} ends at byte {end} but the file has {file_size} bytes"))),
+            Some(_) => {}
         }
     }
     let key = |k: &str| format!("{arch}.{k}");
@@ -225,7 +265,10 @@ fn load_gguf(path: &Path, mut f: std::fs::File, device: &Device) -> Result<Targe
     let ctx = get_u("context_length").unwrap_or(4096);
     let tokenizer = Tokenizer::from_gguf(path, md)?;
     let embd = ct.tensor_infos.get("token_embd.weight").ok_or_else(|| Error::bad_file(path, "no token_embd.weight tensor"))?;
-    let vocab = embd.shape.dims()[0];
+    let vocab = match embd.shape.dims() {
+        &[v, h] if h == hidden => v,
+        d => return Err(Error::bad_file(path, format!("token_embd.weight has shape {d:?}; the metadata's embedding length {hidden} wants [vocabulary, {hidden}]"))),
+    };
     let head_dim = md.get(&key("attention.key_length")).and_then(|v| v.to_u32().ok()).map(|v| v as usize).unwrap_or(hidden / heads.max(1));
     let tie = !ct.tensor_infos.contains_key("output.weight");
     let cfg = Config {
@@ -246,6 +289,7 @@ fn load_gguf(path: &Path, mut f: std::fs::File, device: &Device) -> Result<Targe
         eos_token_ids: tokenizer.eos_ids.clone(),
     };
     cfg.validate().map_err(|m| Error::bad_file(path, m))?;
+    check_tensor_shapes(&ct, &cfg, path)?;
     let mut ts: HashMap<String, Tensor> = HashMap::new();
     let mut native = NativeWeights::new();
     let cpu = Device::Cpu;
@@ -317,7 +361,7 @@ fn load_gguf(path: &Path, mut f: std::fs::File, device: &Device) -> Result<Targe
 }
 
 fn read_json(path: &Path) -> Result<serde_json::Value> {
-    let s = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let s = crate::files::read_config(path)?;
     serde_json::from_str(&s).map_err(|e| Error::bad_file(path, format!("invalid JSON: {e}")))
 }
 

@@ -1,0 +1,119 @@
+//! The bad-input table: every subcommand, given missing, truncated or garbage files, a drafter
+//! for another model, empty or non-UTF-8 corpora, a prompt past the context, invalid sampling
+//! values and trees, or an output it cannot write, exits non-zero with one `error:` line naming
+//! the file or flag, never panics, leaves no output behind and never clobbers an existing one.
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::*;
+
+fn run(args: &[String]) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_selfspec")).args(args).env_remove("RUST_BACKTRACE").output().unwrap();
+    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).into())
+}
+
+fn s(p: &Path) -> String {
+    p.to_str().unwrap().to_string()
+}
+
+#[test]
+fn every_subcommand_refuses_bad_input_cleanly() {
+    let dir = scratch("bad-input");
+    let (tiny, t) = tiny_gguf("bad-input-model", 4);
+    let (other, _) = tiny_gguf("bad-input-other", 77);
+    let m = s(&tiny);
+    // A drafter for the tiny model.
+    let cfg = selfspec::train::TrainConfig { num_heads: 2, epochs: 1, seq_len: 32, batch_tokens: 64, draft_vocab: 0, val_fraction: 0.0, ..Default::default() };
+    let docs = vec![selfspec::data::Document::plain("the cat sat on the mat and the dog ran in the sun ".repeat(8))];
+    let (h, _) = selfspec::train::train(&t, &docs, &cfg, &dir.join("ck"), false, None, &mut |_, _, _, _, _| {}, &mut |_| {}).unwrap();
+    let heads = dir.join("heads");
+    h.save(&heads).unwrap();
+    let d = s(&heads);
+    // Files, good and bad.
+    let write = |name: &str, bytes: &[u8]| -> PathBuf {
+        let p = dir.join(name);
+        std::fs::write(&p, bytes).unwrap();
+        p
+    };
+    let prompts = s(&write("prompts.txt", b"the cat\nthe dog\n"));
+    let empty = s(&write("empty.txt", b""));
+    let latin1 = s(&write("latin1.txt", &[b'c', b'a', b'f', 0xe9, b'\n']));
+    let garbage = s(&write("garbage.gguf", b"GGUF but not really a model at all"));
+    let good = std::fs::read(&tiny).unwrap();
+    let truncated = s(&write("truncated.gguf", &good[..good.len() / 2]));
+    let bad_manifest = s(&write("corpus.toml", b"[[set]]\nid = 1\n"));
+    let file = write("a-file", b"x");
+    let under_file = |name: &str| s(&file.join(name)); // a path whose parent is a file
+    let long_prompt = "word ".repeat(600);
+    let missing = s(&dir.join("missing.gguf"));
+    // Outputs that exist must survive a failing run untouched.
+    let kept = write("kept.json", b"keep me");
+
+    let args = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+    let gen = |extra: &[&str]| {
+        let mut v = args(&["generate", "--model", &m, "--prompt", "the cat", "--max-tokens", "4"]);
+        v.extend(args(extra));
+        v
+    };
+    let table: Vec<(Vec<String>, &[&str])> = vec![
+        (args(&["generate", "--model", &missing, "--prompt", "x"]), &["missing.gguf"]),
+        (args(&["generate", "--model", &garbage, "--prompt", "x"]), &["garbage.gguf"]),
+        (args(&["generate", "--model", &truncated, "--prompt", "x"]), &["truncated.gguf"]),
+        (args(&["generate", "--model", &s(&other), "--prompt", "x", "--drafter", &d]), &["trained for", "heads"]),
+        (gen(&["--drafter", &s(&dir.join("no-drafter"))]), &["no-drafter"]),
+        (args(&["generate", "--model", &m, "--prompt", &long_prompt]), &["context"]),
+        (gen(&["--temperature", "-1"]), &["temperature"]),
+        (gen(&["--top-p", "0"]), &["top-p"]),
+        (gen(&["--presence-penalty", "nan"]), &["presence penalty"]),
+        (gen(&["--frequency-penalty", "inf"]), &["frequency penalty"]),
+        (gen(&["--drafter", &d, "--tree", "chain:100000"]), &["chain:100000", "64"]),
+        (gen(&["--drafter", &d, "--tree", "dynamic:100000"]), &["dynamic:100000", "64"]),
+        (gen(&["--drafter", &d, "--tree", "garbage"]), &["'garbage'", "chain:N"]),
+        (gen(&["--drafter", &d, "--tree", "chain:2+lookup:100"]), &["lookup:100", "64"]),
+        (gen(&["--lossy-typical"]), &["--lossy-typical", "--drafter"]),
+        (gen(&["--drafter", &d, "--datastore", &s(&dir)]), &["not a directory"]),
+        (gen(&["--drafter", &d, "--datastore", &bad_manifest]), &["corpus.toml", "not a corpus manifest"]),
+        (args(&["eval", "--model", &m, "--prompts", &prompts]), &["--drafter"]),
+        (args(&["eval", "--model", &m, "--drafter", &d, "--prompts", &s(&dir.join("nope.txt"))]), &["nope.txt"]),
+        (args(&["eval", "--model", &m, "--drafter", &d, "--prompts", &empty]), &["empty.txt", "no prompts"]),
+        (args(&["eval", "--model", &m, "--drafter", &d, "--prompts", &empty, "--out", &s(&dir.join("kept"))]), &["empty.txt"]),
+        (args(&["eval", "--model", &m, "--drafter", &d, "--prompts", &prompts, "--out", &under_file("r")]), &["cannot be written"]),
+        (args(&["eval", "--model", &m, "--drafter", &d, "--prompts", &prompts, "--temperature", "nan"]), &["temperature"]),
+        (args(&["tune", "--model", &m, "--drafter", &d, "--prompts", &prompts, "--out", &under_file("t.json")]), &["cannot be written"]),
+        (args(&["tune", "--model", &m, "--drafter", &d, "--prompts", &prompts, "--out", &s(&dir.join("t.json")), "--max-nodes", "1"]), &["--max-nodes"]),
+        (args(&["train", "--model", &m, "--data", &empty, "--out", &s(&dir.join("o1"))]), &["empty corpus"]),
+        (args(&["train", "--model", &m, "--data", &latin1, "--out", &s(&dir.join("o2"))]), &["latin1.txt", "UTF-8"]),
+        (args(&["train", "--model", &m, "--data", &prompts, "--out", &under_file("o3")]), &["cannot be written"]),
+        (args(&["train", "--model", &m, "--data", &bad_manifest, "--out", &s(&dir.join("o4"))]), &["not a corpus manifest"]),
+        (args(&["train", "--model", &m, "--data", &prompts, "--out", &s(&dir.join("o5")), "--num-heads", "0"]), &["--num-heads"]),
+        (args(&["distill", "--model", &m, "--prompts", &s(&dir.join("nope.txt")), "--out", &s(&dir.join("d.jsonl"))]), &["nope.txt"]),
+        (args(&["distill", "--model", &m, "--prompts", &prompts, "--out", &under_file("d.jsonl")]), &["cannot be written"]),
+        (args(&["distill", "--model", &m, "--prompts", &prompts, "--out", &s(&dir.join("d2.jsonl")), "--temperature", "nan"]), &["temperature"]),
+        (args(&["bench", "--model", &m, "--tokens", "0"]), &["--tokens"]),
+        (args(&["bench", "--model", &garbage]), &["garbage.gguf"]),
+        (args(&["export", "--model", &m, "--drafter", &s(&dir.join("nope")), "--out", &s(&dir.join("e"))]), &["nope"]),
+        (args(&["export", "--model", &m, "--drafter", &d, "--out", &s(&dir.join("e2")), "--format", "q8"]), &["q8", "heads"]),
+    ];
+    for (argv, needles) in &table {
+        let (code, err) = run(argv);
+        assert_ne!(code, 0, "{argv:?} succeeded");
+        assert!(!err.contains("panicked") && !err.contains("RUST_BACKTRACE"), "{argv:?} panicked: {err}");
+        let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("error")).collect();
+        assert_eq!(errors.len(), 1, "{argv:?}: one error line expected: {err}");
+        for n in *needles {
+            assert!(err.contains(n), "{argv:?}: stderr {err:?} lacks {n:?}");
+        }
+    }
+    // Nothing half-made was left behind, and the existing output was not touched.
+    for p in ["o1", "o2", "o4", "o5", "d.jsonl", "d2.jsonl", "e", "e2", "kept.md", "kept.svg", "t.json"] {
+        let p = dir.join(p);
+        assert!(!p.exists(), "{} was left behind", p.display());
+    }
+    assert_eq!(std::fs::read(&kept).unwrap(), b"keep me");
+    // With a drafter, --lossy-typical runs and says it is lossy.
+    let (code, err) = run(&gen(&["--drafter", &d, "--lossy-typical", "--temperature", "0.7"]));
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("LOSSY"), "{err}");
+}
