@@ -33,6 +33,26 @@ pub fn read_config(path: &std::path::Path) -> Result<String> {
     String::from_utf8(bytes).map_err(|_| Error::bad_file(path, "not UTF-8 text"))
 }
 
+/// This machine's available memory in bytes (`MemAvailable`), where the OS says.
+pub fn available_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kb| kb * 1024)
+}
+
+/// Read a data file whole (prompts, a corpus file), failing with a message instead of an abort
+/// when it could not fit: text is held several times over while it is tokenized, so a file
+/// larger than a quarter of the available memory is refused before it is read.
+pub fn read_data(path: &std::path::Path) -> Result<Vec<u8>> {
+    let len = std::fs::metadata(path).map_err(|e| Error::io(path, e))?.len();
+    if let Some(avail) = available_memory() {
+        if len > avail / 4 {
+            return Err(Error::bad_file(path, format!("{:.1} GB, more than a quarter of this machine's {:.1} GB of available memory; split it into smaller files", len as f64 / 1e9, avail as f64 / 1e9)));
+        }
+    }
+    std::fs::read(path).map_err(|e| Error::io(path, e))
+}
+
 /// Write tensors as a safetensors file atomically (sibling temporary file, then rename), with an
 /// optional header entry. Written through [`write_atomic`], so the file gets the usual
 /// umask-respecting mode (0644 under the common umask; candle's writer made weight files 0600
@@ -156,6 +176,22 @@ mod tests {
         assert_eq!(mode, std::fs::metadata(&json).unwrap().permissions().mode() & 0o777);
         assert!(!dir.join("w.safetensors.tmp").exists());
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn data_files_are_read_when_they_fit() {
+        assert!(available_memory().is_some_and(|m| m > 0), "Linux reports MemAvailable");
+        let p = std::env::temp_dir().join(format!("selfspec-data-{}.txt", std::process::id()));
+        std::fs::write(&p, b"hello").unwrap();
+        assert_eq!(read_data(&p).unwrap(), b"hello");
+        // A sparse file larger than the memory: refused by its size, never read.
+        let big = std::env::temp_dir().join(format!("selfspec-big-{}.txt", std::process::id()));
+        let f = std::fs::File::create(&big).unwrap();
+        f.set_len(available_memory().unwrap()).unwrap();
+        let e = read_data(&big).unwrap_err().to_string();
+        assert!(e.contains("available memory") && e.contains("big"), "{e}");
+        std::fs::remove_file(&p).ok();
+        std::fs::remove_file(&big).ok();
     }
 
     #[test]

@@ -117,3 +117,77 @@ fn every_subcommand_refuses_bad_input_cleanly() {
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("LOSSY"), "{err}");
 }
+
+/// Drafter files (heads.json, draft.json, their safetensors) and tree files, mutated: loading
+/// ends in an error or a drafter that works, never a panic.
+#[test]
+fn mutated_drafter_and_tree_files_fail_cleanly() {
+    let dir = scratch("bad-drafters");
+    let (_, t) = tiny_gguf("bad-drafters-model", 4);
+    let docs = vec![selfspec::data::Document::plain("the cat sat on the mat and the dog ran in the sun ".repeat(8))];
+    let heads_cfg = selfspec::train::TrainConfig { num_heads: 2, epochs: 1, seq_len: 32, batch_tokens: 64, draft_vocab: 0, val_fraction: 0.0, ..Default::default() };
+    let (h, _) = selfspec::train::train(&t, &docs, &heads_cfg, &dir.join("ck-h"), false, None, &mut |_, _, _, _, _| {}, &mut |_| {}).unwrap();
+    let heads = dir.join("heads");
+    h.save(&heads).unwrap();
+    let layer_cfg = selfspec::train::TrainConfig { draft_layer: true, unroll: 1, epochs: 1, seq_len: 32, batch_tokens: 64, draft_vocab: 32, val_fraction: 0.0, ..Default::default() };
+    let (l, _) = selfspec::train::layer::train_layer(&t, &docs, &layer_cfg, &dir.join("ck-l"), false, None, &mut |_, _, _, _, _| {}, &mut |_| {}).unwrap();
+    let layer = dir.join("layer");
+    l.save_as(&layer, selfspec::draft::layer::StoreFormat::F32).unwrap();
+
+    let mut s = 0x2545_F491_4F6C_DD1Du64;
+    let mut next = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    };
+    let mut loads = 0;
+    for (src, files) in [(&heads, ["heads.json", "heads.safetensors"]), (&layer, ["draft.json", "draft.safetensors"])] {
+        for file in files {
+            let good = std::fs::read(src.join(file)).unwrap();
+            let mut variants: Vec<Vec<u8>> = [0, 1, good.len() / 2, good.len() - 1].iter().map(|&n| good[..n].to_vec()).collect();
+            for _ in 0..40 {
+                let mut b = good.clone();
+                // Edit the first KiB: the JSON, or the safetensors header.
+                let at = (next() as usize) % good.len().min(1024);
+                b[at] = match next() % 3 {
+                    0 => next() as u8,
+                    1 => b'9',
+                    _ => b'"',
+                };
+                variants.push(b);
+            }
+            if file.ends_with(".json") {
+                let text = String::from_utf8(good.clone()).unwrap();
+                for (k, v) in [("num_heads", "1000000000000000000"), ("num_layers", "4294967296"), ("hidden_size", "0"), ("vocab_size", "18446744073709551615"), ("draft_vocab_size", "99999999999")] {
+                    let re = format!("\"{k}\":");
+                    if let Some(i) = text.find(&re) {
+                        let j = i + re.len() + text[i + re.len()..].find([',', '\n', '}']).unwrap();
+                        variants.push(format!("{}{} {}{}", &text[..i], re, v, &text[j..]).into_bytes());
+                    }
+                }
+            }
+            for b in variants {
+                let case = dir.join("case");
+                let _ = std::fs::remove_dir_all(&case);
+                std::fs::create_dir_all(&case).unwrap();
+                for f in std::fs::read_dir(src).unwrap() {
+                    let f = f.unwrap().path();
+                    std::fs::copy(&f, case.join(f.file_name().unwrap())).unwrap();
+                }
+                std::fs::write(case.join(file), &b).unwrap();
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| selfspec::draft::drafter::Drafter::from_dir(&case, &t).map(|_| ())));
+                assert!(r.is_ok(), "{file} mutated: loading panicked");
+                loads += 1;
+            }
+        }
+    }
+    assert!(loads > 150);
+    // Tree files: truncated, garbage, huge ranks, deep paths.
+    for text in ["", "[", "[[0],[1]", "{\"paths\": 7}", "[[18446744073709551615]]", "[[0],[0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0]]", "[[-1]]", "[[0.5]]"] {
+        let p = dir.join("tree.json");
+        std::fs::write(&p, text).unwrap();
+        let r = std::panic::catch_unwind(|| selfspec::spec::plan::Plan::parse(p.to_str().unwrap()).map(|_| ()));
+        assert!(matches!(r, Ok(Err(_))), "tree file {text:?} must be refused cleanly");
+    }
+}

@@ -35,6 +35,9 @@ pub fn run(a: DistillArgs) -> Result<()> {
     let items = selfspec::data::read_prompts(&a.prompts)?;
     selfspec::files::check_writable(&a.out)?;
     let target = a.model.load()?;
+    if let Some(n) = target.plain_prompts_note() {
+        eprintln!("{n}");
+    }
     let bar = progress(items.len() as u64, "distill");
     let t0 = std::time::Instant::now();
     let mut tokens = 0usize;

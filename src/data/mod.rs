@@ -19,7 +19,7 @@ pub struct PromptItem {
 /// Read a prompt file: one prompt per line, or JSONL with `"prompt"` or `"turns"` (MT-Bench /
 /// Spec-Bench style, with optional `"question_id"` and `"category"`).
 pub fn read_prompts(path: &Path) -> Result<Vec<PromptItem>> {
-    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let bytes = crate::files::read_data(path)?;
     let text = String::from_utf8(bytes).map_err(|_| Error::bad_file(path, "not UTF-8 text"))?;
     let mut out = Vec::new();
     for (i, line) in text.lines().enumerate() {
@@ -119,7 +119,7 @@ pub fn read_corpus(paths: &[PathBuf], render: &dyn Fn(&[Message]) -> Result<Stri
     }
     let mut docs = Vec::new();
     for f in &files {
-        let bytes = std::fs::read(f).map_err(|e| Error::io(f, e))?;
+        let bytes = crate::files::read_data(f)?;
         let text = String::from_utf8(bytes).map_err(|_| Error::bad_file(f, "not UTF-8 text (convert it, or leave it out)"))?;
         if f.extension().is_some_and(|e| e == "jsonl") {
             for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {

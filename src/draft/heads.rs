@@ -338,8 +338,16 @@ impl Heads {
         if cfg.target != fp {
             return Err(Error::HeadsMismatch { heads: dir.to_path_buf(), heads_target: cfg.target.to_string(), model_target: fp.to_string() });
         }
-        if cfg.num_heads == 0 {
-            return Err(Error::bad_file(&cfg_path, "num_heads is 0"));
+        // The sizes that shape allocations, checked against the target before any is made.
+        let mc = target.model.config();
+        if !(1..=64).contains(&cfg.num_heads) || cfg.num_layers > 16 {
+            return Err(Error::bad_file(&cfg_path, format!("{} heads of {} layers: expected 1 to 64 heads of at most 16 layers", cfg.num_heads, cfg.num_layers)));
+        }
+        if cfg.hidden_size != mc.hidden_size || cfg.vocab_size != mc.vocab_size || cfg.draft_vocab_size.is_some_and(|d| d == 0 || d > mc.vocab_size) {
+            return Err(Error::bad_file(
+                &cfg_path,
+                format!("hidden {} / vocabulary {} / draft vocabulary {:?} do not fit the model's hidden {} and vocabulary {}", cfg.hidden_size, cfg.vocab_size, cfg.draft_vocab_size, mc.hidden_size, mc.vocab_size),
+            ));
         }
         let ts = candle_core::safetensors::load(&w_path, &Device::Cpu).map_err(|e| Error::bad_file(&w_path, format!("not a readable safetensors file: {e}")))?;
         let vb = VarBuilder::from_tensors(ts, DType::F32, target.model.device());

@@ -190,6 +190,13 @@ impl DraftLayer {
             return Err(Error::HeadsMismatch { heads: dir.to_path_buf(), heads_target: cfg.target.to_string(), model_target: fp.to_string() });
         }
         cfg.layer.validate().map_err(|e| Error::bad_file(&cfg_path, e))?;
+        let mc = target.model.config();
+        if cfg.layer.hidden_size != mc.hidden_size || cfg.layer.vocab_size > mc.vocab_size || cfg.layer.num_layers != 1 || cfg.layer.intermediate_size > 64 * mc.hidden_size {
+            return Err(Error::bad_file(
+                &cfg_path,
+                format!("a {}-layer draft of hidden {}, FFN {} and draft vocabulary {} does not fit the model's hidden {} and vocabulary {}", cfg.layer.num_layers, cfg.layer.hidden_size, cfg.layer.intermediate_size, cfg.layer.vocab_size, mc.hidden_size, mc.vocab_size),
+            ));
+        }
         let ts = candle_core::safetensors::load(&w_path, &Device::Cpu).map_err(|e| Error::bad_file(&w_path, format!("not a readable safetensors file: {e}")))?;
         let mut ts = dequantize_stored(ts).map_err(|e| Error::bad_file(&w_path, e))?;
         let ids = ts.remove("draft_vocab").ok_or_else(|| Error::bad_file(&w_path, "no draft_vocab tensor"))?;

@@ -54,6 +54,9 @@ impl Tree {
             if p.is_empty() {
                 return Err(Error::InvalidTree("an empty path (the root is implicit)".into()));
             }
+            if let Some(r) = p.iter().find(|&&r| r >= MAX_TREE_NODES) {
+                return Err(Error::InvalidTree(format!("path {p:?} uses rank {r}; drafts rank at most {} candidates", MAX_TREE_NODES)));
+            }
             if index.contains_key(&p) {
                 return Err(Error::InvalidTree(format!("path {p:?} appears twice")));
             }

@@ -204,8 +204,7 @@ pub fn evaluate(target: &Target, drafter: &Drafter, prompts: &[PromptItem], opts
         let mut messages: Vec<Message> = Vec::new();
         for (ti, turn) in item.turns.iter().enumerate() {
             messages.push(Message { role: "user".into(), content: turn.clone() });
-            let text = target.chat_prompt(&messages)?;
-            let ids = target.tokenizer.encode(&text, false)?;
+            let ids = target.prompt_ids(&messages)?;
             let seed = opts.seed.wrapping_add((pi * 16 + ti) as u64);
             let stop = StopRule { max_new_tokens: opts.max_tokens, eos_ids: &eos };
             let (plain_out, plain) = generate_plain(&target.model, &ids, &opts.params, &stop, &mut rng(seed), &mut |_| Ok(()))?;

@@ -204,6 +204,22 @@ mod tests {
     /// A chat template that does not parse leaves the model usable for plain prompts; only what
     /// needs the template fails, naming the file and what to do.
     #[test]
+    fn a_model_without_a_template_takes_plain_prompts() {
+        let dir = std::env::temp_dir().join(format!("selfspec-no-template-{}", std::process::id()));
+        let cfg = tiny_config();
+        write_hf(&dir, &cfg, &random_weights(&cfg, 3).unwrap()).unwrap();
+        let tc = dir.join("tokenizer_config.json");
+        let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&tc).unwrap()).unwrap();
+        v.as_object_mut().unwrap().remove("chat_template");
+        std::fs::write(&tc, v.to_string()).unwrap();
+        let t = crate::model::loader::Target::load(&dir, &Device::Cpu).unwrap();
+        assert!(t.plain_prompts_note().unwrap().contains("no chat template"));
+        let m = |c: &str| crate::model::tokenizer::Message { role: "user".into(), content: c.into() };
+        assert_eq!(t.prompt_ids(&[m("the cat"), m("the dog")]).unwrap(), t.tokenizer.encode("the cat\nthe dog", true).unwrap());
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
     fn broken_chat_template_fails_only_where_needed() {
         let dir = std::env::temp_dir().join(format!("selfspec-broken-template-{}", std::process::id()));
         let cfg = tiny_config();

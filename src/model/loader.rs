@@ -68,6 +68,23 @@ impl Target {
         self.template()?.render(messages, true, &self.tokenizer.bos_token, &self.tokenizer.eos_token)
     }
 
+    /// Token ids for a conversation whose last turn the model answers next (eval, tune and
+    /// distill prompts): through the chat template, or, for a model without one (a base model),
+    /// the turns as plain text joined by newlines, as a raw prompt. A template that is there but
+    /// does not parse is an error, not a silent switch to plain text.
+    pub fn prompt_ids(&self, messages: &[crate::model::tokenizer::Message]) -> Result<Vec<u32>> {
+        match (&self.chat_template, &self.chat_template_error) {
+            (None, None) => self.tokenizer.encode(&messages.iter().map(|m| m.content.as_str()).collect::<Vec<_>>().join("\n"), true),
+            _ => self.tokenizer.encode(&self.chat_prompt(messages)?, false),
+        }
+    }
+
+    /// For the CLI to say once: prompts go in as plain text because the model has no template.
+    pub fn plain_prompts_note(&self) -> Option<String> {
+        (self.chat_template.is_none() && self.chat_template_error.is_none())
+            .then(|| format!("note: {} has no chat template; prompts are given to it as plain text", self.path.display()))
+    }
+
     /// The chat template, or an error saying why there is none and what needs one.
     fn template(&self) -> Result<&ChatTemplate> {
         const NEEDS: &str = "chat prompts (generate --chat; eval, tune and distill, which answer their prompts as a chat) need one: use a model that has one, or `generate` without --chat";

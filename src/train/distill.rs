@@ -72,8 +72,7 @@ pub fn answer(target: &Target, item: &PromptItem, params: &SamplingParams, max_t
     let mut r = rng(seed);
     for turn in &item.turns {
         messages.push(Message { role: "user".into(), content: turn.clone() });
-        let text = target.chat_prompt(&messages)?;
-        let ids = target.tokenizer.encode(&text, false)?;
+        let ids = target.prompt_ids(&messages)?;
         let stop = StopRule { max_new_tokens: max_tokens, eos_ids: &target.tokenizer.eos_ids };
         let (mut out, _) = generate_plain(&target.model, &ids, params, &stop, &mut r, &mut |_| Ok(()))?;
         total += out.len();
@@ -107,7 +106,7 @@ impl<'a> Slot<'a> {
     fn start_turn(target: &Target, item: &'a PromptItem, turn: usize, messages: Vec<Message>, total: usize, rng: Rng64, max_tokens: usize) -> Result<Self> {
         let mut messages = messages;
         messages.push(Message { role: "user".into(), content: item.turns[turn].clone() });
-        let ids = target.tokenizer.encode(&target.chat_prompt(&messages)?, false)?;
+        let ids = target.prompt_ids(&messages)?;
         // Many prompts are in flight at once, so say which one does not fit.
         let budget = check_budget(ids.len(), max_tokens, target.model.config().max_position)
             .map_err(|e| Error::InvalidArgument(format!("prompt {:?}, turn {}: {e}", item.id, turn + 1)))?;
