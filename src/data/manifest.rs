@@ -157,8 +157,8 @@ mod tests {
         std::fs::write(&m, "[[set]]\nid = \"a\"\n").unwrap();
         assert!(Manifest::read(&m).unwrap_err().to_string().contains("not a corpus manifest"));
         std::fs::write(&m, "[[set]]\nid = \"a\"\nanswers = \"a.jsonl\"\n").unwrap();
-        assert!(datastore_files(&[m.clone()]).unwrap_err().to_string().contains("datastore = true"));
-        assert!(datastore_files(&[d.clone()]).unwrap_err().to_string().contains("not a directory"));
+        assert!(datastore_files(std::slice::from_ref(&m)).unwrap_err().to_string().contains("datastore = true"));
+        assert!(datastore_files(std::slice::from_ref(&d)).unwrap_err().to_string().contains("not a directory"));
         std::fs::remove_dir_all(&d).ok();
     }
 }

@@ -43,6 +43,7 @@ pub struct DistillSummary {
 /// Answer every prompt of `items` not yet answered in `out`, appending each record as soon as it
 /// is complete (a killed run resumes where it stopped). Prompt i samples with `seed + i`, its
 /// position in `items`, so a resumed run answers exactly as an uninterrupted one.
+#[allow(clippy::too_many_arguments)]
 pub fn distill_file(
     target: &Target,
     items: &[PromptItem],
