@@ -266,7 +266,7 @@ pub fn evaluate(target: &Target, drafter: &Drafter, prompts: &[PromptItem], opts
 /// Text with each run of accepted draft tokens wrapped in `[brackets]`.
 ///
 /// The text is decoded as one stream and cut between tokens afterwards: decoding each run on its
-/// own drops the leading space a SentencePiece token carries ("wanted[to]play").
+/// own drops the leading space a SentencePiece token carries (`wanted[to]play`).
 pub fn mark_drafted(target: &Target, out: &[u32], drafted: &[bool]) -> Result<String> {
     mark_pieces(&target.tokenizer, out, drafted)
 }
