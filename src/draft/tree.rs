@@ -113,7 +113,8 @@ impl Tree {
         Self::from_paths(&paths)
     }
 
-    /// `cpu`, `gpu`, `chain` (4 deep), `chain:N`, or a JSON file.
+    /// `cpu`, `gpu`, `chain` (4 deep here; [`crate::draft::choice::TreeChoice`] makes a bare
+    /// `chain` as deep as the drafter drafts), `chain:N`, or a JSON file.
     pub fn parse_spec(spec: &str) -> Result<Self> {
         match spec {
             "cpu" => Ok(Self::cpu_default()),
