@@ -25,9 +25,15 @@ pub const MAX_CONFIG_BYTES: u64 = 64 << 20;
 
 /// Read a configuration file whole, after checking it is no larger than [`MAX_CONFIG_BYTES`].
 pub fn read_config(path: &std::path::Path) -> Result<String> {
+    read_text(path, MAX_CONFIG_BYTES, "a configuration file")
+}
+
+/// Read a small text file whole, after checking its size against `max` (so a huge or hostile
+/// file is refused before it is read); `what` names the kind of file in the message.
+pub fn read_text(path: &std::path::Path, max: u64, what: &str) -> Result<String> {
     let len = std::fs::metadata(path).map_err(|e| Error::io(path, e))?.len();
-    if len > MAX_CONFIG_BYTES {
-        return Err(Error::bad_file(path, format!("{len} bytes; a configuration file is read whole only up to {MAX_CONFIG_BYTES}")));
+    if len > max {
+        return Err(Error::bad_file(path, format!("{len} bytes; {what} is read whole only up to {max}")));
     }
     let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
     String::from_utf8(bytes).map_err(|_| Error::bad_file(path, "not UTF-8 text"))

@@ -68,11 +68,7 @@ pub fn is_manifest(path: &Path) -> bool {
 impl Manifest {
     /// Read and check a manifest: bounded size, unique ids, at least one set.
     pub fn read(path: &Path) -> Result<Manifest> {
-        let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
-        if meta.len() > MAX_MANIFEST_BYTES {
-            return Err(Error::bad_file(path, format!("a corpus manifest of {} bytes; manifests list files and stay under {MAX_MANIFEST_BYTES}", meta.len())));
-        }
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = crate::files::read_text(path, MAX_MANIFEST_BYTES, "a corpus manifest")?;
         let mut m: Manifest = toml::from_str(&text).map_err(|e| Error::bad_file(path, format!("not a corpus manifest: {e}")))?;
         if m.sets.is_empty() {
             return Err(Error::bad_file(path, "the manifest lists no [[set]]"));

@@ -95,7 +95,7 @@ mod tests {
         let big = std::env::temp_dir().join(format!("selfspec-bigtree-{}.json", std::process::id()));
         std::fs::write(&big, vec![b' '; (crate::draft::tree::MAX_TREE_FILE_BYTES + 1) as usize]).unwrap();
         let e = TreeChoice::parse(big.to_str().unwrap()).unwrap_err().to_string();
-        assert!(e.contains("tree file of"), "{e}");
+        assert!(e.contains("a tree file is read whole only up to"), "{e}");
         std::fs::remove_file(&big).ok();
     }
 }

@@ -132,14 +132,10 @@ impl Tree {
             }
             path => {
                 let p = Path::new(path);
-                let meta = std::fs::metadata(p).map_err(|e| match e.kind() {
-                    std::io::ErrorKind::NotFound => Error::InvalidTree(format!("'{path}' is neither a tree form nor a file; --tree takes {TREE_FORMS}")),
-                    _ => Error::io(p, e),
-                })?;
-                if meta.len() > MAX_TREE_FILE_BYTES {
-                    return Err(Error::bad_file(p, format!("a tree file of {} bytes; tree files hold at most {MAX_TREE_NODES} paths and are read up to {MAX_TREE_FILE_BYTES} bytes", meta.len())));
+                if !p.exists() {
+                    return Err(Error::InvalidTree(format!("'{path}' is neither a tree form nor a file; --tree takes {TREE_FORMS}")));
                 }
-                let text = std::fs::read_to_string(p).map_err(|e| Error::io(p, e))?;
+                let text = crate::files::read_text(p, MAX_TREE_FILE_BYTES, "a tree file")?;
                 Self::from_json(&text).map_err(|e| Error::bad_file(p, e.to_string()))
             }
         }
