@@ -211,7 +211,7 @@ fn fused_drafting_matches_the_training_path() {
         let fused: Vec<f32> = heads.draft_logits(&h, root, &t.model).unwrap().flatten_all().unwrap().to_vec1().unwrap();
         let e = t.model.embed(&[root]).unwrap();
         let reference: Vec<f32> =
-            heads.train_logits(&h, Some(&e), t.model.lm_head().weight()).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            heads.train_logits(&h, Some(&e), &t.model.lm_head_weight().unwrap()).unwrap().flatten_all().unwrap().to_vec1().unwrap();
         assert_eq!(fused.len(), reference.len());
         let d = rel_diff(&fused, &reference);
         assert!(d <= tol, "{f}: fused draft logits differ by {d} of the largest");

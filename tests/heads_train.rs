@@ -55,7 +55,7 @@ fn chunk_states_equal_token_by_token_decoding() {
 #[test]
 fn loss_decreases_and_backbone_is_frozen() {
     let (_, mut t) = tiny_gguf("train-loss", 21);
-    let before: Vec<f32> = t.model.lm_head().weight().flatten_all().unwrap().to_vec1().unwrap();
+    let before: Vec<f32> = t.model.lm_head().weight().unwrap().flatten_all().unwrap().to_vec1().unwrap();
     let toks = t.tokenizer.encode("the cat sat on the mat", false).unwrap();
     let h = selfspec::train::hidden_states(&t, &toks, None).unwrap();
     assert!(!h.track_op(), "backbone hidden states must carry no gradient graph");
@@ -96,7 +96,7 @@ fn loss_decreases_and_backbone_is_frozen() {
         let last: f64 = rep.losses[n - 3..].iter().sum::<f64>() / 3.0;
         assert!(last < first * 0.9, "{loss:?}: loss {first} -> {last}");
     }
-    let after: Vec<f32> = t.model.lm_head().weight().flatten_all().unwrap().to_vec1().unwrap();
+    let after: Vec<f32> = t.model.lm_head().weight().unwrap().flatten_all().unwrap().to_vec1().unwrap();
     assert_eq!(before, after, "the backbone changed during training");
 }
 

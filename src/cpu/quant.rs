@@ -136,6 +136,17 @@ impl QuantKind {
             QuantKind::Q4K => "q4_k",
         }
     }
+    /// The kind of a GGUF tensor type, when the kernels read it directly.
+    pub fn from_ggml(dtype: candle_core::quantized::GgmlDType) -> Option<QuantKind> {
+        use candle_core::quantized::GgmlDType as G;
+        match dtype {
+            G::Q8_0 => Some(QuantKind::Q8_0),
+            G::Q4_0 => Some(QuantKind::Q4_0),
+            G::Q4_1 => Some(QuantKind::Q4_1),
+            G::Q4K => Some(QuantKind::Q4K),
+            _ => None,
+        }
+    }
 }
 
 /// Q4_K's packed 6-bit scale and min of sub-block `j` (llama.cpp's `get_scale_min_k4`).
@@ -396,6 +407,80 @@ impl PackedQuant {
         });
         PackedQuant { k, n, bits4, zero, data }
     }
+}
+
+/// One weight on its way into the fast path, before packing: a GGUF's own blocks (what
+/// `--weights native` keeps), or f32 values with the format to pack them in. Why a stage: the
+/// loader reads one tensor at a time and packs it at once (no f32 copy of the whole model is
+/// ever held), and projections of the same input (q/k/v, gate/up) are stacked here first so
+/// they are packed once, into one fused kernel's weight.
+pub enum Staged {
+    Blocks(QuantRows),
+    Values { data: Vec<f32>, n: usize, k: usize, format: WeightFormat },
+}
+
+impl Staged {
+    /// `[out, in]`.
+    pub fn dims(&self) -> (usize, usize) {
+        match self {
+            Staged::Blocks(q) => (q.n, q.k),
+            Staged::Values { n, k, .. } => (*n, *k),
+        }
+    }
+
+    /// Whether `parts` can share one kernel: all blocks of one kind, or all values in one
+    /// format, with the same input width. (A Q4_K_M file keeps some tensors in Q6_K: its q/k/v
+    /// then stay apart.)
+    pub fn can_stack(parts: &[Staged]) -> bool {
+        let same = |a: &Staged, b: &Staged| match (a, b) {
+            (Staged::Blocks(x), Staged::Blocks(y)) => x.kind == y.kind && x.k == y.k,
+            (Staged::Values { k: ka, format: fa, .. }, Staged::Values { k: kb, format: fb, .. }) => ka == kb && fa == fb,
+            _ => false,
+        };
+        parts.len() > 1 && parts.iter().all(|p| same(p, &parts[0]))
+    }
+
+    /// The rows of `parts` one after another (checked with [`Staged::can_stack`]).
+    pub fn stack(parts: Vec<Staged>) -> Result<Staged> {
+        if !Self::can_stack(&parts) {
+            return Err(Error::InvalidArgument("projections of different formats or widths cannot be stacked".into()));
+        }
+        if let Staged::Values { k, format, .. } = parts[0] {
+            let n = parts.iter().map(|p| p.dims().0).sum();
+            let mut data = Vec::with_capacity(n * k);
+            for p in parts {
+                if let Staged::Values { data: d, .. } = p {
+                    data.extend_from_slice(&d);
+                }
+            }
+            return Ok(Staged::Values { data, n, k, format });
+        }
+        let blocks: Vec<&QuantRows> = parts.iter().filter_map(|p| if let Staged::Blocks(q) = p { Some(q) } else { None }).collect();
+        Ok(Staged::Blocks(QuantRows::concat_rows(&blocks)?))
+    }
+
+    /// Pack for the fast path's kernel.
+    pub fn pack(self) -> Result<CpuWeight> {
+        match self {
+            Staged::Blocks(q) => Ok(CpuWeight::Quant(PackedQuant::pack(&q))),
+            Staged::Values { data, n, k, format } => pack_values(&data, n, k, format),
+        }
+    }
+}
+
+/// Pack f32 `[n, k]` values in `format` ([`WeightFormat::Native`] without blocks means f32;
+/// Q8_0 of rows that are not whole blocks stays f32, as the drafters' odd widths need).
+pub fn pack_values(data: &[f32], n: usize, k: usize, format: WeightFormat) -> Result<CpuWeight> {
+    if data.len() != n * k {
+        return Err(Error::InvalidArgument(format!("{} values for a [{n}, {k}] weight", data.len())));
+    }
+    Ok(match format {
+        WeightFormat::F32 | WeightFormat::Native => CpuWeight::F32(PackedWeight::pack(data, n, k)),
+        WeightFormat::F16 => CpuWeight::F16(PackedF16::pack(data, n, k)),
+        WeightFormat::Bf16 => CpuWeight::Bf16(crate::cpu::bf16::PackedBf16::pack(data, n, k)),
+        WeightFormat::Q8_0 if !k.is_multiple_of(QK) => CpuWeight::F32(PackedWeight::pack(data, n, k)),
+        WeightFormat::Q8_0 => CpuWeight::Quant(PackedQuant::pack(&QuantRows::quantize_q8_0(data, n, k)?)),
+    })
 }
 
 /// A CPU weight in one of the fast-path formats.
@@ -1079,6 +1164,37 @@ mod tests {
             }
         }
         out
+    }
+
+    #[test]
+    fn stacked_weights_give_each_part_its_own_bits() {
+        // q/k/v stacked into one kernel: every output column is the same bits as its part alone.
+        let (k, m) = (64, 3);
+        let x = rand_vec(m * k, 9);
+        let sizes = [32usize, 16, 16];
+        let ws: Vec<Vec<f32>> = sizes.iter().enumerate().map(|(i, &n)| rand_vec(n * k, 10 + i as u64)).collect();
+        for blocks in [false, true] {
+            let stage = |w: &[f32], n: usize| if blocks { Staged::Blocks(q4_1_rows(w, n, k)) } else { Staged::Values { data: w.to_vec(), n, k, format: WeightFormat::Q8_0 } };
+            let parts: Vec<Staged> = ws.iter().zip(sizes).map(|(w, n)| stage(w, n)).collect();
+            assert!(Staged::can_stack(&parts));
+            let joined = Staged::stack(parts).unwrap().pack().unwrap().matmul(&x, m);
+            let total: usize = sizes.iter().sum();
+            let mut col = 0;
+            for (w, n) in ws.iter().zip(sizes) {
+                let alone = stage(w, n).pack().unwrap().matmul(&x, m);
+                for r in 0..m {
+                    assert_eq!(&joined[r * total + col..r * total + col + n], &alone[r * n..(r + 1) * n]);
+                }
+                col += n;
+            }
+        }
+        // Different kinds or formats stay apart.
+        let a = Staged::Blocks(q4_1_rows(&ws[1], 16, k));
+        let b = Staged::Values { data: ws[2].clone(), n: 16, k, format: WeightFormat::Q8_0 };
+        assert!(!Staged::can_stack(&[a, b]));
+        assert!(pack_values(&ws[1], 16, k + 1, WeightFormat::F32).is_err());
+        assert_eq!(QuantKind::from_ggml(candle_core::quantized::GgmlDType::Q4K), Some(QuantKind::Q4K));
+        assert_eq!(QuantKind::from_ggml(candle_core::quantized::GgmlDType::Q6K), None);
     }
 
     fn q4_1_rows(w: &[f32], n: usize, k: usize) -> QuantRows {

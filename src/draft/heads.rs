@@ -105,9 +105,8 @@ impl Heads {
     }
 
     /// Restrict drafting to `ids` (ascending token ids), slicing `target_lm_head` to match.
-    pub fn set_draft_vocab(&mut self, ids: Vec<u32>, target_lm_head: &Tensor) -> Result<()> {
-        let idx = Tensor::new(ids.as_slice(), target_lm_head.device())?;
-        let w = target_lm_head.index_select(&idx, 0)?.contiguous()?;
+    pub fn set_draft_vocab(&mut self, ids: Vec<u32>, target: &crate::model::Llama) -> Result<()> {
+        let w = target.lm_head_rows(&ids)?.contiguous()?;
         self.cfg.draft_vocab_size = Some(ids.len());
         self.draft_proj = Some(crate::model::Linear::new_packed(w.clone(), None)?);
         self.draft_vocab = Some((ids, w));
@@ -142,12 +141,12 @@ impl Heads {
     }
 
     /// Bind a loaded draft vocabulary to the target's lm_head rows.
-    fn bind_draft_vocab(&mut self, target_lm_head: &Tensor) -> Result<()> {
+    fn bind_draft_vocab(&mut self, target: &crate::model::Llama) -> Result<()> {
         if let Some((ids, _)) = self.draft_vocab.take() {
             if let Some(&bad) = ids.iter().find(|&&i| i as usize >= self.cfg.vocab_size) {
                 return Err(Error::InvalidArgument(format!("draft vocabulary holds token {bad}, beyond the vocabulary")));
             }
-            self.set_draft_vocab(ids, target_lm_head)?;
+            self.set_draft_vocab(ids, target)?;
         }
         Ok(())
     }
@@ -352,7 +351,7 @@ impl Heads {
         let ts = candle_core::safetensors::load(&w_path, &Device::Cpu).map_err(|e| Error::bad_file(&w_path, format!("not a readable safetensors file: {e}")))?;
         let vb = VarBuilder::from_tensors(ts, DType::F32, target.model.device());
         let mut heads = Self::load(vb, &cfg).map_err(|e| Error::bad_file(&w_path, e.to_string()))?;
-        heads.bind_draft_vocab(target.model.lm_head().weight()).map_err(|e| Error::bad_file(&w_path, e.to_string()))?;
+        heads.bind_draft_vocab(&target.model).map_err(|e| Error::bad_file(&w_path, e.to_string()))?;
         crate::cpu::quant::with_block_fallback(target.model.weight_format(), |f| heads.set_draft_format(f))?;
         Ok(heads)
     }
@@ -368,7 +367,7 @@ impl Heads {
         }
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
         let mut m = HashMap::new();
-        let lm = target.model.lm_head().weight();
+        let lm = target.model.lm_head_weight()?;
         for (k, bs) in self.blocks.iter().enumerate() {
             for (l, b) in bs.iter().enumerate() {
                 m.insert(format!("{k}.{l}.linear.weight"), b.lin.weight().clone());
@@ -417,7 +416,7 @@ impl Heads {
             return Err(Error::bad_file(&cfg_path, format!("{k_heads} heads of {layers} layers: expected 1 to 64 heads of at most 16 layers")));
         }
         let ts = candle_core::safetensors::load(&w_path, &Device::Cpu).map_err(|e| Error::bad_file(&w_path, format!("not a readable safetensors file: {e}")))?;
-        let lm = target.model.lm_head().weight().to_device(&Device::Cpu)?;
+        let lm = target.model.lm_head_weight()?.to_device(&Device::Cpu)?;
         let mut own = false;
         let mut renamed = HashMap::new();
         for k in 0..k_heads {

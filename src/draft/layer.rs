@@ -169,8 +169,7 @@ impl DraftLayer {
         }
         // The layer's "embedding" and lm_head: the target's lm_head rows of the draft vocabulary
         // (the embedding is never read: inputs come through `fc`).
-        let idx = Tensor::new(ids.as_slice(), &device)?;
-        let lm = target.lm_head().weight().index_select(&idx, 0)?.contiguous()?;
+        let lm = target.lm_head_rows(&ids)?.to_device(&device)?.contiguous()?;
         map.insert("model.embed_tokens.weight".into(), lm);
         let fc = Linear::new_packed(map["fc.weight"].clone(), Some(map["fc.bias"].clone()))?;
         let llama = Llama::load(VarBuilder::from_tensors(map.clone(), DType::F32, &device), &cfg.layer)?;
@@ -244,7 +243,7 @@ impl DraftLayer {
     /// 0.2 ms of a 2.3 ms native step; 4-bit blocks cut drafting and the drafter's commit by a
     /// fifth to a third with τ within 0.03 (12 bundled prompts, native and f32 targets).
     pub fn set_format(&mut self, format: WeightFormat) -> Result<()> {
-        if format != WeightFormat::Native || !self.fc.weight().device().is_cpu() {
+        if format != WeightFormat::Native || !self.fc.weight()?.device().is_cpu() {
             // Off the CPU the formats fall back to candle's f32, as for the target.
             let format = if format == WeightFormat::Native { WeightFormat::Q8_0 } else { format };
             self.fc.set_format(format, None)?;
@@ -260,8 +259,8 @@ impl DraftLayer {
                 blocks.insert(name.clone(), crate::model::NativeWeight::Blocks(q4(t)?));
             }
         }
-        blocks.insert("model.embed_tokens.weight".into(), crate::model::NativeWeight::Blocks(q4(self.llama.lm_head().weight())?));
-        self.fc.set_format(WeightFormat::Native, Some(&q4(self.fc.weight())?))?;
+        blocks.insert("model.embed_tokens.weight".into(), crate::model::NativeWeight::Blocks(q4(self.llama.lm_head().weight()?)?));
+        self.fc.set_format(WeightFormat::Native, Some(&q4(self.fc.weight()?)?))?;
         self.llama.set_weights(WeightFormat::Native, &blocks)
     }
 
@@ -358,8 +357,7 @@ impl TrainLayer {
                 data.insert(name, var);
             }
         }
-        let idx = Tensor::new(ids, &device)?;
-        let proj = target.lm_head().weight().index_select(&idx, 0)?.contiguous()?;
+        let proj = target.lm_head_rows(ids)?.to_device(&device)?.contiguous()?;
         let (cos, sin) = crate::model::rope_tables(&cfg.layer, &device)?;
         Ok(TrainLayer { cfg, w, proj, cos, sin })
     }

@@ -8,13 +8,15 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Embedding, RmsNorm, VarBuilder};
 use serde::{Deserialize, Serialize};
 
-use crate::cpu::{ROW_KERNEL_MAX_ROWS, PackedWeight, RowMatmul, SwiGlu, TreeAttention, TreeMask};
-use crate::cpu::quant::{CpuMatmul, CpuWeight, PackedF16, PackedQuant, QuantRows, WeightFormat};
+use crate::cpu::{ROW_KERNEL_MAX_ROWS, RowMatmul, SwiGlu, TreeAttention, TreeMask};
+use crate::cpu::quant::{CpuMatmul, CpuWeight, QuantRows, Staged, WeightFormat};
+use crate::model::gguf::RawRows;
 use crate::model::kv_cache::KvCache;
 use crate::{Error, Result};
 
 
-/// The longest context a model may declare (its rotary tables are built for all of it at load).
+/// The longest context a model may declare (positions are `u32` on their way into kernels, and
+/// a bound keeps a hostile file's context from reaching sizes nothing here was tested at).
 pub const MAX_CONTEXT: usize = 1 << 21;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -69,14 +71,18 @@ impl Config {
     }
 }
 
-/// A linear layer. On the CPU it keeps a second copy of its weight in a fast-path format
-/// ([`WeightFormat`]): calls with up to [`crate::cpu::ROW_KERNEL_MAX_ROWS`] rows (decoding and tree
-/// verification) use that copy's batch-invariant kernel; larger calls use candle's gemm on the
-/// f32 weight when the format is f32, and the format's own kernel otherwise. Other devices use
-/// candle's matmul on the f32 weight.
+/// A linear layer. On the CPU it has a fast-path copy of its weight in a [`WeightFormat`]:
+/// calls with up to [`crate::cpu::ROW_KERNEL_MAX_ROWS`] rows (decoding and tree verification)
+/// use that copy's batch-invariant kernel; larger calls use candle's gemm on the f32 weight when
+/// the format is f32, and the format's own kernel otherwise. Other devices use candle's matmul
+/// on the f32 weight.
+///
+/// The f32 weight is there only where something needs it (f32 format, GPUs, training): a model
+/// loaded straight into a compact format ([`Llama::build`]) holds the fast copy alone, which is
+/// what lets a 4-bit 8B model load in a few GB instead of 32 GB of f32.
 #[derive(Clone)]
 pub struct Linear {
-    weight: Tensor,
+    weight: Option<Tensor>,
     bias: Option<Tensor>,
     fast: Option<Arc<CpuWeight>>,
 }
@@ -84,7 +90,7 @@ pub struct Linear {
 impl Linear {
     /// Without a fast copy (the row kernel still keeps CPU results batch-invariant).
     pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
-        Linear { weight, bias, fast: None }
+        Linear { weight: Some(weight), bias, fast: None }
     }
     /// With an f32 panel copy for the fast CPU kernel (costs a second copy of the weight).
     pub fn new_packed(weight: Tensor, bias: Option<Tensor>) -> Result<Self> {
@@ -92,13 +98,29 @@ impl Linear {
         l.set_format(WeightFormat::F32, None)?;
         Ok(l)
     }
+    /// The fast copy alone, without an f32 weight (CPU only).
+    pub fn packed_only(fast: CpuWeight, bias: Option<Tensor>) -> Self {
+        Linear { weight: None, bias, fast: Some(Arc::new(fast)) }
+    }
     pub fn load(in_dim: usize, out_dim: usize, bias: bool, vb: VarBuilder) -> Result<Self> {
         let weight = vb.get((out_dim, in_dim), "weight")?;
         let bias = if bias { Some(vb.get(out_dim, "bias")?) } else { None };
         Self::new_packed(weight, bias)
     }
-    pub fn weight(&self) -> &Tensor {
-        &self.weight
+    /// The f32 weight `[out, in]`, or an error for a layer loaded without one.
+    pub fn weight(&self) -> Result<&Tensor> {
+        self.weight.as_ref().ok_or_else(|| Error::InvalidArgument(format!("this layer was loaded in the {} format without an f32 copy of its weight; load with --weights f32 for this", self.format_name().unwrap_or("packed"))))
+    }
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
+    }
+    /// `[out, in]`.
+    pub fn dims(&self) -> Result<(usize, usize)> {
+        match (&self.weight, &self.fast) {
+            (Some(w), _) => Ok(w.dims2()?),
+            (None, Some(f)) => Ok((f.rows(), f.cols())),
+            (None, None) => Err(Error::InvalidArgument("a linear layer with no weight".into())),
+        }
     }
     /// The fast-path format in use, e.g. "q4" or "f32"; `None` off the CPU.
     pub fn format_name(&self) -> Option<&'static str> {
@@ -106,49 +128,47 @@ impl Linear {
     }
     /// Bytes one call streams from the fast copy (the f32 weight's size off the CPU).
     pub fn bytes_per_call(&self) -> usize {
-        match &self.fast {
-            Some(f) => f.bytes(),
-            None => self.weight.elem_count() * self.weight.dtype().size_in_bytes(),
+        match (&self.fast, &self.weight) {
+            (Some(f), _) => f.bytes(),
+            (None, Some(w)) => w.elem_count() * w.dtype().size_in_bytes(),
+            (None, None) => 0,
         }
     }
-    /// Rebuild the fast copy in `format`. `native` is this weight's own GGUF blocks, which
-    /// [`WeightFormat::Native`] keeps; native without blocks means f32.
+    /// Rebuild the fast copy in `format` from the f32 weight. `native` is this weight's own GGUF
+    /// blocks, which [`WeightFormat::Native`] keeps; native without blocks means f32.
     pub fn set_format(&mut self, format: WeightFormat, native: Option<&QuantRows>) -> Result<()> {
-        if !self.weight.device().is_cpu() || self.weight.dtype() != DType::F32 {
+        let w = self.weight()?.clone();
+        if !w.device().is_cpu() || w.dtype() != DType::F32 {
             self.fast = None;
             return Ok(());
         }
-        let (n, k) = self.weight.dims2()?;
-        let data = || -> Result<Vec<f32>> { Ok(self.weight.flatten_all()?.to_vec1::<f32>()?) };
-        let fast = match (format, native) {
-            (WeightFormat::F32, _) | (WeightFormat::Native, None) => CpuWeight::F32(PackedWeight::pack(&data()?, n, k)),
-            (WeightFormat::F16, _) => CpuWeight::F16(PackedF16::pack(&data()?, n, k)),
-            (WeightFormat::Bf16, _) => CpuWeight::Bf16(crate::cpu::bf16::PackedBf16::pack(&data()?, n, k)),
-            (WeightFormat::Q8_0, _) if k % crate::cpu::quant::QK != 0 => CpuWeight::F32(PackedWeight::pack(&data()?, n, k)),
-            (WeightFormat::Q8_0, _) => CpuWeight::Quant(PackedQuant::pack(&QuantRows::quantize_q8_0(&data()?, n, k)?)),
-            (WeightFormat::Native, Some(q)) => {
-                if (q.n, q.k) != (n, k) {
-                    return Err(Error::InvalidArgument(format!("quantized weight is [{}, {}], layer is [{n}, {k}]", q.n, q.k)));
-                }
-                CpuWeight::Quant(PackedQuant::pack(q))
-            }
-        };
-        self.fast = Some(Arc::new(fast));
+        self.fast = Some(Arc::new(stage_f32(&w, format, native)?.pack()?));
         Ok(())
     }
     /// `x [rows, in] -> [rows, out]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let rows = x.dim(0)?;
         let cpu_f32 = x.device().is_cpu() && x.dtype() == DType::F32;
-        let y = match &self.fast {
-            Some(f) if cpu_f32 && f.prefers_kernel(rows) => x.contiguous()?.apply_op1_no_bwd(&CpuMatmul(f.clone()))?,
-            _ if cpu_f32 && rows <= ROW_KERNEL_MAX_ROWS => x.contiguous()?.apply_op2_no_bwd(&self.weight, &RowMatmul)?,
-            _ => x.matmul(&self.weight.t()?)?,
+        let y = match (&self.fast, &self.weight) {
+            (Some(f), w) if cpu_f32 && (w.is_none() || f.prefers_kernel(rows)) => x.contiguous()?.apply_op1_no_bwd(&CpuMatmul(f.clone()))?,
+            (_, Some(w)) if cpu_f32 && rows <= ROW_KERNEL_MAX_ROWS => x.contiguous()?.apply_op2_no_bwd(w, &RowMatmul)?,
+            (_, Some(w)) => x.matmul(&w.t()?)?,
+            (_, None) => return Err(Error::InvalidArgument("this layer has only a CPU copy of its weight; run it on the CPU in f32".into())),
         };
         Ok(match &self.bias {
             Some(b) => y.broadcast_add(b)?,
             None => y,
         })
+    }
+}
+
+/// An f32 weight staged for `format` (its GGUF blocks under native, when it has them).
+fn stage_f32(w: &Tensor, format: WeightFormat, native: Option<&QuantRows>) -> Result<Staged> {
+    let (n, k) = w.dims2()?;
+    match (format, native) {
+        (WeightFormat::Native, Some(q)) if (q.n, q.k) != (n, k) => Err(Error::InvalidArgument(format!("quantized weight is [{}, {}], layer is [{n}, {k}]", q.n, q.k))),
+        (WeightFormat::Native, Some(q)) => Ok(Staged::Blocks(q.clone())),
+        _ => Ok(Staged::Values { data: w.flatten_all()?.to_vec1::<f32>()?, n, k, format }),
     }
 }
 
@@ -160,42 +180,37 @@ struct Fused {
     fast: Arc<CpuWeight>,
     sizes: Vec<usize>,
     bias: Option<Tensor>,
+    /// The parts have no f32 weights to fall back on: the kernel takes every row count.
+    only: bool,
+}
+
+/// Give `parts` their fast copies from `staged` (one per part): fused into one kernel when they
+/// can share one (same format and block kind, all or none with a bias), each its own otherwise.
+fn install(parts: &mut [&mut Linear], staged: Vec<Staged>) -> Result<Option<Fused>> {
+    let biases: Option<Vec<Tensor>> = parts.iter().map(|p| p.bias.clone()).collect();
+    let same_bias = biases.is_some() || parts.iter().all(|p| p.bias.is_none());
+    if same_bias && Staged::can_stack(&staged) {
+        let sizes = staged.iter().map(|s| s.dims().0).collect();
+        let fast = Arc::new(Staged::stack(staged)?.pack()?);
+        let bias = match biases {
+            Some(bs) => Some(Tensor::cat(&bs, 0)?),
+            None => None,
+        };
+        let only = parts.iter().any(|p| p.weight.is_none());
+        for p in parts.iter_mut() {
+            p.fast = None;
+        }
+        return Ok(Some(Fused { fast, sizes, bias, only }));
+    }
+    for (p, s) in parts.iter_mut().zip(staged) {
+        p.fast = Some(Arc::new(s.pack()?));
+    }
+    Ok(None)
 }
 
 impl Fused {
-    /// `None` when the parts cannot share a kernel (off the CPU, or native blocks of different
-    /// kinds, as in Q4_K_M files that keep some tensors in Q6_K).
-    fn build(parts: &[&Linear], format: WeightFormat, native: &[Option<&QuantRows>]) -> Result<Option<Fused>> {
-        if parts.iter().any(|p| p.fast.is_none()) {
-            return Ok(None);
-        }
-        let weight = Tensor::cat(&parts.iter().map(|p| p.weight.clone()).collect::<Vec<_>>(), 0)?;
-        let blocks = if format == WeightFormat::Native {
-            let qs: Option<Vec<&QuantRows>> = native.iter().copied().collect();
-            match qs {
-                Some(qs) if qs.iter().all(|q| q.kind == qs[0].kind && q.k == qs[0].k) => Some(QuantRows::concat_rows(&qs)?),
-                Some(_) => return Ok(None),
-                // Native without blocks for every part means f32 (or mixed): keep them apart
-                // unless none has blocks.
-                None if native.iter().any(|q| q.is_some()) => return Ok(None),
-                None => None,
-            }
-        } else {
-            None
-        };
-        let mut l = Linear::new(weight, None);
-        l.set_format(format, blocks.as_ref())?;
-        let bias = match parts.iter().map(|p| p.bias.clone()).collect::<Option<Vec<_>>>() {
-            Some(bs) => Some(Tensor::cat(&bs, 0)?),
-            // Some parts with a bias and some without: keep them apart.
-            None if parts.iter().any(|p| p.bias.is_some()) => return Ok(None),
-            None => None,
-        };
-        Ok(l.fast.map(|fast| Fused { fast, sizes: parts.iter().map(|p| p.weight.dims()[0]).collect(), bias }))
-    }
-
     fn applies(&self, x: &Tensor) -> Result<bool> {
-        Ok(x.device().is_cpu() && x.dtype() == DType::F32 && self.fast.prefers_kernel(x.dim(0)?))
+        Ok(x.device().is_cpu() && x.dtype() == DType::F32 && (self.only || self.fast.prefers_kernel(x.dim(0)?)))
     }
 
     /// `x [rows, in]` -> `[rows, sum of out_i]`, the parts side by side.
@@ -217,6 +232,47 @@ impl Fused {
             at += n;
         }
         Ok(out)
+    }
+}
+
+/// The token embedding: an f32 table, or (for a GGUF loaded in a compact format) the file's own
+/// rows read in place, dequantised a few at a time. Both give the same values.
+#[derive(Clone)]
+pub enum TokenEmbedding {
+    F32(Embedding),
+    Rows(RawRows),
+}
+
+impl TokenEmbedding {
+    /// `[T, hidden]` for token ids `ids` (checked against the vocabulary by the caller).
+    pub fn lookup(&self, ids: &[u32], device: &Device) -> Result<Tensor> {
+        match self {
+            TokenEmbedding::F32(e) => Ok(e.forward(&Tensor::new(ids, device)?)?),
+            TokenEmbedding::Rows(r) => r.gather(ids, device),
+        }
+    }
+}
+
+/// Where [`Llama::build`] reads its tensors, by Hugging Face name (`model.layers.N.…`): a
+/// `VarBuilder` (safetensors, tests, drafters) or a GGUF file (see `model::loader`).
+pub trait WeightSource {
+    /// The tensor as f32, with the shape given, on `device`.
+    fn tensor(&self, name: &str, shape: &[usize], device: &Device) -> Result<Tensor>;
+    /// A projection's weight `[out, in]` staged for `format`'s CPU fast path. The default reads
+    /// the f32 tensor; a GGUF keeps its blocks under [`WeightFormat::Native`].
+    fn staged(&self, name: &str, shape: (usize, usize), format: WeightFormat) -> Result<Staged> {
+        let format = if format == WeightFormat::Native { WeightFormat::F32 } else { format };
+        stage_f32(&self.tensor(name, &[shape.0, shape.1], &Device::Cpu)?, format, None)
+    }
+    /// The rows of a matrix, read in place, where the source can (a memory-mapped GGUF).
+    fn rows(&self, _name: &str) -> Result<Option<RawRows>> {
+        Ok(None)
+    }
+}
+
+impl WeightSource for VarBuilder<'_> {
+    fn tensor(&self, name: &str, shape: &[usize], device: &Device) -> Result<Tensor> {
+        Ok(self.get(shape, name)?.to_device(device)?)
     }
 }
 
@@ -286,26 +342,33 @@ struct AttnSpan {
 }
 
 pub struct Llama {
-    embed: Embedding,
+    embed: TokenEmbedding,
     blocks: Vec<Block>,
     norm: RmsNorm,
     lm_head: Linear,
-    cos: Tensor,
-    sin: Tensor,
+    /// The lm_head's exact rows read in place, for a GGUF model built without f32 weights
+    /// (drafters copy rows of the lm_head; see [`Llama::lm_head_rows`]).
+    lm_rows: Option<RawRows>,
+    /// Whether every projection has its f32 weight, so [`Llama::set_weights`] can re-pack.
+    has_f32: bool,
     cfg: Config,
     device: Device,
     format: WeightFormat,
     kv_dtype: DType,
 }
 
-pub(crate) fn rope_tables(cfg: &Config, device: &Device) -> Result<(Tensor, Tensor)> {
+/// Rotary cos and sin `[positions.len(), head_dim / 2]` for `positions`. Computed per forward
+/// for the positions in it rather than tabled for the whole context at load: a 128k-token
+/// context's tables would be 64 MB and a tenth of a second of start-up, and the same formula
+/// gives the same bits either way.
+pub(crate) fn rope_rows(cfg: &Config, positions: &[usize], device: &Device) -> Result<(Tensor, Tensor)> {
     let half = cfg.head_dim / 2;
     let theta: Vec<f32> = (0..half)
         .map(|i| 1f32 / (cfg.rope_theta as f32).powf((2 * i) as f32 / cfg.head_dim as f32))
         .collect();
-    let mut cos = Vec::with_capacity(cfg.max_position * half);
-    let mut sin = Vec::with_capacity(cfg.max_position * half);
-    for p in 0..cfg.max_position {
+    let mut cos = Vec::with_capacity(positions.len() * half);
+    let mut sin = Vec::with_capacity(positions.len() * half);
+    for &p in positions {
         for &th in &theta {
             let a = p as f32 * th;
             cos.push(a.cos());
@@ -313,64 +376,114 @@ pub(crate) fn rope_tables(cfg: &Config, device: &Device) -> Result<(Tensor, Tens
         }
     }
     Ok((
-        Tensor::from_vec(cos, (cfg.max_position, half), device)?,
-        Tensor::from_vec(sin, (cfg.max_position, half), device)?,
+        Tensor::from_vec(cos, (positions.len(), half), device)?,
+        Tensor::from_vec(sin, (positions.len(), half), device)?,
     ))
+}
+
+/// [`rope_rows`] for every position of the model's context (training keeps these).
+pub(crate) fn rope_tables(cfg: &Config, device: &Device) -> Result<(Tensor, Tensor)> {
+    rope_rows(cfg, &(0..cfg.max_position).collect::<Vec<_>>(), device)
 }
 
 impl Llama {
     /// Weights use Hugging Face names (`model.layers.N.self_attn.q_proj.weight`, ...); the GGUF
-    /// loader renames and un-permutes its tensors into this layout.
+    /// loader renames and un-permutes its tensors into this layout. f32 weights throughout.
     pub fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
-        cfg.validate().map_err(Error::InvalidArgument)?;
         let device = vb.device().clone();
-        let m = vb.pp("model");
-        let embed_w = m.get((cfg.vocab_size, cfg.hidden_size), "embed_tokens.weight")?;
-        let embed = Embedding::new(embed_w.clone(), cfg.hidden_size);
-        let (d, nh, nkv, hd) = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        Self::build(&vb, cfg, WeightFormat::F32, &device)
+    }
+
+    /// Build from `src` with the CPU fast path in `format`. The f32 weights are kept only where
+    /// something needs them (format f32, or a device other than the CPU, whose kernels are
+    /// candle's); otherwise each projection is read, packed and dropped, one group at a time,
+    /// so the model never exists in f32.
+    pub fn build(src: &dyn WeightSource, cfg: &Config, format: WeightFormat, device: &Device) -> Result<Self> {
+        cfg.validate().map_err(Error::InvalidArgument)?;
+        let keep_f32 = format == WeightFormat::F32 || !device.is_cpu();
+        let (d, nh, nkv, hd, ff) = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size);
+        let norm = |name: &str| -> Result<RmsNorm> { Ok(RmsNorm::new(src.tensor(&format!("{name}.weight"), &[d], device)?, cfg.rms_norm_eps)) };
+        // A projection `name` of shape [out, in]: its f32 weight when kept, its bias if any.
+        let linear = |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear> {
+            let bias = if bias { Some(src.tensor(&format!("{name}.bias"), &[out], device)?) } else { None };
+            let weight = if keep_f32 { Some(src.tensor(&format!("{name}.weight"), &[out, inp], device)?) } else { None };
+            Ok(Linear { weight, bias, fast: None })
+        };
+        // Without f32 weights: stage the group's weights (names and [out, in] shapes) from the
+        // source and pack them now.
+        let pack = |parts: &mut [&mut Linear], names: &[(&str, (usize, usize))]| -> Result<Option<Fused>> {
+            if keep_f32 {
+                return Ok(None);
+            }
+            let staged = names.iter().map(|(n, shape)| src.staged(&format!("{n}.weight"), *shape, format)).collect::<Result<Vec<_>>>()?;
+            install(parts, staged)
+        };
+        // The lm_head first: packing holds a tensor twice for a moment, and the largest tensor
+        // costs least while little else is resident (SmolLM2 native: 60 MB off the peak).
+        let embed_name = "model.embed_tokens.weight";
+        let head_name = if cfg.tie_embeddings { embed_name } else { "lm_head.weight" };
+        let in_place = if keep_f32 { None } else { src.rows(embed_name)? };
+        let (embed, embed_w) = match in_place {
+            Some(rows) => (TokenEmbedding::Rows(rows), None),
+            None => {
+                let w = src.tensor(embed_name, &[cfg.vocab_size, d], device)?;
+                (TokenEmbedding::F32(Embedding::new(w.clone(), d)), Some(w))
+            }
+        };
+        let lm_rows = if keep_f32 { None } else { src.rows(head_name)? };
+        // The lm_head keeps an f32 weight when kept throughout, or when its rows cannot be read
+        // in place (a tied head then shares the embedding's table: no extra memory).
+        let head_w = match (&embed_w, cfg.tie_embeddings) {
+            (Some(w), true) => Some(w.clone()),
+            _ if keep_f32 || lm_rows.is_none() => Some(src.tensor(head_name, &[cfg.vocab_size, d], device)?),
+            _ => None,
+        };
+        let mut lm_head = Linear { weight: head_w, bias: None, fast: None };
+        pack(&mut [&mut lm_head], &[(head_name.trim_end_matches(".weight"), (cfg.vocab_size, d))])?;
         let mut blocks = Vec::with_capacity(cfg.num_layers);
         for i in 0..cfg.num_layers {
-            let b = m.pp(format!("layers.{i}"));
-            let a = b.pp("self_attn");
-            let f = b.pp("mlp");
+            let p = format!("model.layers.{i}");
+            let n = |s: &str| format!("{p}.{s}");
+            let (qn, kn, vn, on) = (n("self_attn.q_proj"), n("self_attn.k_proj"), n("self_attn.v_proj"), n("self_attn.o_proj"));
+            let (gn, un, dn) = (n("mlp.gate_proj"), n("mlp.up_proj"), n("mlp.down_proj"));
+            let (qs, kvs, os, ups, downs) = ((nh * hd, d), (nkv * hd, d), (d, nh * hd), (ff, d), (d, ff));
+            let mut q = linear(&qn, qs.0, qs.1, cfg.attention_bias)?;
+            let mut k = linear(&kn, kvs.0, kvs.1, cfg.attention_bias)?;
+            let mut v = linear(&vn, kvs.0, kvs.1, cfg.attention_bias)?;
+            let mut o = linear(&on, os.0, os.1, false)?;
+            let mut gate = linear(&gn, ups.0, ups.1, false)?;
+            let mut up = linear(&un, ups.0, ups.1, false)?;
+            let mut down = linear(&dn, downs.0, downs.1, false)?;
+            let qkv = pack(&mut [&mut q, &mut k, &mut v], &[(&qn, qs), (&kn, kvs), (&vn, kvs)])?;
+            pack(&mut [&mut o], &[(&on, os)])?;
+            let gate_up = pack(&mut [&mut gate, &mut up], &[(&gn, ups), (&un, ups)])?;
+            pack(&mut [&mut down], &[(&dn, downs)])?;
             blocks.push(Block {
-                attn_norm: candle_nn::rms_norm(d, cfg.rms_norm_eps, b.pp("input_layernorm"))?,
-                attn: Attention {
-                    q: Linear::load(d, nh * hd, cfg.attention_bias, a.pp("q_proj"))?,
-                    k: Linear::load(d, nkv * hd, cfg.attention_bias, a.pp("k_proj"))?,
-                    v: Linear::load(d, nkv * hd, cfg.attention_bias, a.pp("v_proj"))?,
-                    o: Linear::load(nh * hd, d, false, a.pp("o_proj"))?,
-                    qkv: None,
-                    num_heads: nh,
-                    num_kv_heads: nkv,
-                    head_dim: hd,
-                },
-                mlp_norm: candle_nn::rms_norm(d, cfg.rms_norm_eps, b.pp("post_attention_layernorm"))?,
-                mlp: Mlp {
-                    gate: Linear::load(d, cfg.intermediate_size, false, f.pp("gate_proj"))?,
-                    up: Linear::load(d, cfg.intermediate_size, false, f.pp("up_proj"))?,
-                    down: Linear::load(cfg.intermediate_size, d, false, f.pp("down_proj"))?,
-                    gate_up: None,
-                },
+                attn_norm: norm(&n("input_layernorm"))?,
+                attn: Attention { q, k, v, o, qkv, num_heads: nh, num_kv_heads: nkv, head_dim: hd },
+                mlp_norm: norm(&n("post_attention_layernorm"))?,
+                mlp: Mlp { gate, up, down, gate_up },
             });
         }
-        let norm = candle_nn::rms_norm(d, cfg.rms_norm_eps, m.pp("norm"))?;
-        let lm_head = if cfg.tie_embeddings {
-            Linear::new_packed(embed_w, None)?
-        } else {
-            Linear::load(d, cfg.vocab_size, false, vb.pp("lm_head"))?
-        };
-        let (cos, sin) = rope_tables(cfg, &device)?;
-        let mut model = Llama { embed, blocks, norm, lm_head, cos, sin, cfg: cfg.clone(), kv_dtype: default_kv_dtype(&device), device, format: WeightFormat::F32 };
-        // Fuse q/k/v and gate/up for the CPU kernel from the start.
-        model.set_weights(WeightFormat::F32, &NativeWeights::new())?;
+        let final_norm = norm("model.norm")?;
+        let mut model = Llama { embed, blocks, norm: final_norm, lm_head, lm_rows, has_f32: keep_f32, cfg: cfg.clone(), kv_dtype: default_kv_dtype(device), device: device.clone(), format };
+        if keep_f32 {
+            // Fast copies (and the fused q/k/v and gate/up) from the f32 weights.
+            model.set_weights(format, &NativeWeights::new())?;
+        }
         Ok(model)
     }
 
-    /// Switch every projection's CPU fast path to `format`. `native` (filled by the loader)
-    /// says, per Hugging Face tensor name, what [`WeightFormat::Native`] keeps; tensors absent
-    /// from it stay f32. Off the CPU this changes nothing: GPUs keep candle's f32 kernels.
+    /// Switch every projection's CPU fast path to `format`, re-packing from the f32 weights (so
+    /// only for a model that has them: see [`Llama::build`]). `native` (filled by whoever has
+    /// the blocks) says, per Hugging Face tensor name, what [`WeightFormat::Native`] keeps;
+    /// tensors absent from it stay f32. Off the CPU this changes nothing: GPUs keep candle's f32
+    /// kernels.
     pub fn set_weights(&mut self, format: WeightFormat, native: &NativeWeights) -> Result<()> {
+        if !self.has_f32 {
+            return Err(Error::InvalidArgument(format!("the model was loaded in the {} format without f32 weights to re-pack; load it again in the format wanted", self.format)));
+        }
+        let on_cpu = self.device.is_cpu();
         // What each tensor becomes: under native, its own blocks, or a stand-in format.
         let resolve = |name: &str| -> (WeightFormat, Option<&QuantRows>) {
             match format {
@@ -383,43 +496,35 @@ impl Llama {
                 f => (f, None),
             }
         };
-        let set = |l: &mut Linear, name: &str| -> Result<()> {
-            let (f, q) = resolve(name);
-            l.set_format(f, q).map_err(|e| Error::InvalidArgument(format!("{name}: {e}")))
-        };
         // Fuse when every part resolves to the same format (and block kind): then the parts'
         // own fast copies are never used and are dropped.
-        let fuse = |parts: &mut [&mut Linear], names: &[String]| -> Result<Option<Fused>> {
-            let res: Vec<(WeightFormat, Option<&QuantRows>)> = names.iter().map(|n| resolve(n)).collect();
-            if res.iter().any(|r| r.0 != res[0].0) {
-                return Ok(None);
-            }
-            let qs: Vec<Option<&QuantRows>> = res.iter().map(|r| r.1).collect();
-            let fused = Fused::build(&parts.iter().map(|p| &**p).collect::<Vec<_>>(), res[0].0, &qs)?;
-            if fused.is_some() {
+        let set = |parts: &mut [&mut Linear], names: &[String]| -> Result<Option<Fused>> {
+            if !on_cpu {
                 for p in parts.iter_mut() {
                     p.fast = None;
                 }
+                return Ok(None);
             }
-            Ok(fused)
+            let staged = parts
+                .iter()
+                .zip(names)
+                .map(|(p, n)| {
+                    let (f, q) = resolve(n);
+                    stage_f32(p.weight()?, f, q).map_err(|e| Error::InvalidArgument(format!("{n}: {e}")))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            install(parts, staged)
         };
         for (i, b) in self.blocks.iter_mut().enumerate() {
             let p = format!("model.layers.{i}.");
             let n = |s: &str| format!("{p}{s}.weight");
-            let (qn, kn, vn) = (n("self_attn.q_proj"), n("self_attn.k_proj"), n("self_attn.v_proj"));
-            let (gn, un) = (n("mlp.gate_proj"), n("mlp.up_proj"));
-            set(&mut b.attn.q, &qn)?;
-            set(&mut b.attn.k, &kn)?;
-            set(&mut b.attn.v, &vn)?;
-            set(&mut b.attn.o, &n("self_attn.o_proj"))?;
-            set(&mut b.mlp.gate, &gn)?;
-            set(&mut b.mlp.up, &un)?;
-            set(&mut b.mlp.down, &n("mlp.down_proj"))?;
-            b.attn.qkv = fuse(&mut [&mut b.attn.q, &mut b.attn.k, &mut b.attn.v], &[qn, kn, vn])?;
-            b.mlp.gate_up = fuse(&mut [&mut b.mlp.gate, &mut b.mlp.up], &[gn, un])?;
+            b.attn.qkv = set(&mut [&mut b.attn.q, &mut b.attn.k, &mut b.attn.v], &[n("self_attn.q_proj"), n("self_attn.k_proj"), n("self_attn.v_proj")])?;
+            set(&mut [&mut b.attn.o], &[n("self_attn.o_proj")])?;
+            b.mlp.gate_up = set(&mut [&mut b.mlp.gate, &mut b.mlp.up], &[n("mlp.gate_proj"), n("mlp.up_proj")])?;
+            set(&mut [&mut b.mlp.down], &[n("mlp.down_proj")])?;
         }
         let head = if self.cfg.tie_embeddings { "model.embed_tokens.weight" } else { "lm_head.weight" };
-        set(&mut self.lm_head, head)?;
+        set(&mut [&mut self.lm_head], &[head.to_string()])?;
         self.format = format;
         Ok(())
     }
@@ -489,8 +594,7 @@ impl Llama {
         if let Some(&bad) = tokens.iter().find(|&&x| x as usize >= self.cfg.vocab_size) {
             return Err(Error::InvalidArgument(format!("token id {bad} is outside the vocabulary ({})", self.cfg.vocab_size)));
         }
-        let ids = Tensor::new(tokens, &self.device)?;
-        self.run_blocks(self.embed.forward(&ids)?, positions, mask, cache)
+        self.run_blocks(self.embed.lookup(tokens, &self.device)?, positions, mask, cache)
     }
 
     /// [`Llama::forward`] on input vectors `[T, hidden]` instead of token ids: a draft layer
@@ -540,11 +644,9 @@ impl Llama {
             }
             s.cache.reserve(s.positions.len())?;
             spans.push(AttnSpan { start: all_pos.len(), len: s.positions.len(), prefix: s.cache.len() - s.tail, mask: Arc::new(s.mask.clone()) });
-            all_pos.extend(s.positions.iter().map(|&p| p as u32));
+            all_pos.extend_from_slice(s.positions);
         }
-        let pos = Tensor::new(all_pos.as_slice(), &self.device)?;
-        let cos = self.cos.index_select(&pos, 0)?;
-        let sin = self.sin.index_select(&pos, 0)?;
+        let (cos, sin) = rope_rows(&self.cfg, &all_pos, &self.device)?;
         let mut caches: Vec<&mut KvCache> = segs.iter_mut().map(|s| &mut *s.cache).collect();
         for (i, b) in self.blocks.iter().enumerate() {
             let h = rms_norm(&b.attn_norm, &x)?;
@@ -591,14 +693,40 @@ impl Llama {
             }
             ids.extend_from_slice(e.tokens);
         }
-        let x = self.embed.forward(&Tensor::new(ids.as_slice(), &self.device)?)?;
+        let x = self.embed.lookup(&ids, &self.device)?;
         let mut segs: Vec<Segment> = batch.iter_mut().map(|e| Segment { positions: e.positions, mask: e.mask, tail: 0, cache: &mut *e.cache }).collect();
         self.run_blocks_multi(x, &mut segs)
     }
 
     /// Token embeddings `[T, d]` (token-aware heads read the root token's).
     pub fn embed(&self, tokens: &[u32]) -> Result<Tensor> {
-        Ok(self.embed.forward(&Tensor::new(tokens, &self.device)?)?)
+        if let Some(&bad) = tokens.iter().find(|&&x| x as usize >= self.cfg.vocab_size) {
+            return Err(Error::InvalidArgument(format!("token id {bad} is outside the vocabulary ({})", self.cfg.vocab_size)));
+        }
+        self.embed.lookup(tokens, &self.device)
+    }
+
+    /// Rows `ids` of the lm_head `[ids.len(), hidden]` in f32, exact: from the f32 weight, or
+    /// read in place from the GGUF for a model built without one. Drafters with a reduced draft
+    /// vocabulary copy these.
+    pub fn lm_head_rows(&self, ids: &[u32]) -> Result<Tensor> {
+        if let Some(&bad) = ids.iter().find(|&&x| x as usize >= self.cfg.vocab_size) {
+            return Err(Error::InvalidArgument(format!("token id {bad} is outside the vocabulary ({})", self.cfg.vocab_size)));
+        }
+        match (&self.lm_head.weight, &self.lm_rows) {
+            (Some(w), _) => Ok(w.index_select(&Tensor::new(ids, w.device())?, 0)?),
+            (None, Some(r)) => r.gather(ids, &self.device),
+            (None, None) => self.lm_head.weight().cloned(),
+        }
+    }
+
+    /// The whole lm_head in f32 `[vocab, hidden]`: the weight itself, or (for a model built
+    /// without f32 weights) a copy made now. Training and Medusa heads read it whole.
+    pub fn lm_head_weight(&self) -> Result<Tensor> {
+        match &self.lm_head.weight {
+            Some(w) => Ok(w.clone()),
+            None => self.lm_head_rows(&(0..self.cfg.vocab_size as u32).collect::<Vec<_>>()),
+        }
     }
 
     /// `hidden [T, d] -> logits [T, vocab]`.

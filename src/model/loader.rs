@@ -1,17 +1,16 @@
 //! Loading a target model from a GGUF file or a Hugging Face directory into one [`Target`].
 use std::collections::HashMap;
-use std::io::{Read, Seek};
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
-use candle_core::quantized::gguf_file;
+use candle_core::quantized::{gguf_file, GgmlDType};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use sha2::{Digest, Sha256};
 
-use candle_core::quantized::GgmlDType;
-
-use crate::model::{Config, Llama, NativeWeight, NativeWeights};
-use crate::cpu::quant::{QuantKind, QuantRows, WeightFormat};
+use crate::cpu::quant::{QuantKind, QuantRows, Staged, WeightFormat};
+use crate::model::gguf::{GgufFile, RawRows};
+use crate::model::{Config, Llama, WeightSource};
 use crate::model::tokenizer::{ChatTemplate, Tokenizer};
 use crate::{Error, Result};
 
@@ -24,43 +23,53 @@ pub struct Target {
     /// Kept rather than failing the load: plain prompts do not need the template.
     pub chat_template_error: Option<String>,
     pub path: PathBuf,
-    /// What `--weights native` keeps per tensor (empty for Hugging Face models: f32).
-    pub native: NativeWeights,
 }
 
 impl Target {
-    /// `path` is a `.gguf` file, a Hugging Face model directory, or a `.safetensors` file inside one.
+    /// `path` is a `.gguf` file, a Hugging Face model directory, or a `.safetensors` file inside
+    /// one. f32 weights (the reference, and what training and GPUs need); see
+    /// [`Target::load_with`] for the compact formats.
     pub fn load(path: &Path, device: &Device) -> Result<Self> {
+        Self::load_with(path, device, WeightFormat::F32)
+    }
+
+    /// Load with the CPU fast path in `weights` (see [`WeightFormat`]), reading and packing one
+    /// tensor at a time: no f32 copy of the model is made unless `weights` is f32 or `device`
+    /// is not the CPU. `--weights native` keeps a GGUF's own blocks.
+    pub fn load_with(path: &Path, device: &Device, weights: WeightFormat) -> Result<Self> {
         let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
         if meta.is_dir() {
-            return load_hf(path, device);
+            return load_hf(path, device, weights);
         }
         let mut f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
         let mut magic = [0u8; 4];
         let n = f.read(&mut magic).map_err(|e| Error::io(path, e))?;
         if n == 4 && &magic == b"GGUF" {
-            return load_gguf(path, f, device);
+            return load_gguf(path, device, weights);
         }
         if path.extension().is_some_and(|e| e == "safetensors") {
             let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-            return load_hf(dir, device);
+            return load_hf(dir, device, weights);
         }
         Err(Error::bad_file(path, "neither a GGUF file (no GGUF magic) nor a Hugging Face model directory"))
     }
 
-    /// Load and switch the CPU fast path to `weights` (see [`WeightFormat`]).
-    pub fn load_with(path: &Path, device: &Device, weights: WeightFormat) -> Result<Self> {
-        let mut t = Self::load(path, device)?;
-        t.set_weights(weights)?;
-        Ok(t)
-    }
-
-    /// Switch the CPU fast path's weight format (GPUs keep candle's f32 kernels).
+    /// Switch the CPU fast path's weight format (GPUs keep candle's f32 kernels). A model with
+    /// f32 weights that is not a GGUF re-packs in place; otherwise the model is loaded again from
+    /// its file in the new format (a GGUF's own blocks are not kept beside the packed copy: that
+    /// would double the memory). The KV cache's element type is kept.
     pub fn set_weights(&mut self, weights: WeightFormat) -> Result<()> {
-        let native = std::mem::take(&mut self.native);
-        let r = self.model.set_weights(weights, &native).map_err(|e| Error::bad_file(&self.path, e.to_string()));
-        self.native = native;
-        r
+        if weights == self.model.weight_format() {
+            return Ok(());
+        }
+        let is_gguf = !self.path.is_dir() && self.path.extension().is_none_or(|e| e != "safetensors");
+        if !is_gguf && self.model.set_weights(weights, &crate::model::NativeWeights::new()).is_ok() {
+            return Ok(());
+        }
+        let kv = self.model.kv_dtype();
+        let device = self.model.device().clone();
+        *self = Target::load_with(&self.path, &device, weights)?;
+        self.model.set_kv_dtype(kv)
     }
 
     /// Render a single user prompt through the chat template, or fail if the model has none.
@@ -122,13 +131,23 @@ impl Target {
         let cfg = self.model.config();
         let mut h = Sha256::new();
         h.update(self.tokenizer.to_json().as_bytes());
-        let w = self.model.lm_head().weight();
-        // Hash a strided sample of lm_head: enough to tell models apart, cheap to compute.
-        let flat = w.flatten_all()?;
-        let n = flat.dim(0)?;
+        // Hash a strided sample of lm_head: enough to tell models apart, cheap to compute. The
+        // rows are exact whatever the weight format (see `Llama::lm_head_rows`).
+        let (rows, cols) = (cfg.vocab_size, cfg.hidden_size);
+        let n = rows * cols;
         let step = (n / 4096).max(1);
-        let idx: Vec<u32> = (0..n).step_by(step).map(|i| i as u32).collect();
-        let sample: Vec<f32> = flat.index_select(&Tensor::new(idx.as_slice(), w.device())?, 0)?.to_vec1()?;
+        let flat: Vec<usize> = (0..n).step_by(step).collect();
+        let mut row_ids: Vec<u32> = flat.iter().map(|&i| (i / cols) as u32).collect();
+        row_ids.dedup();
+        let got = self.model.lm_head_rows(&row_ids)?.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
+        let mut at = 0;
+        let mut sample = Vec::with_capacity(flat.len());
+        for &i in &flat {
+            while row_ids[at] as usize != i / cols {
+                at += 1;
+            }
+            sample.push(got[at * cols + i % cols]);
+        }
         for x in sample {
             // Round so the tiny differences between dequantisation paths do not matter.
             h.update(((x * 1e4).round() as i64).to_le_bytes());
@@ -206,10 +225,6 @@ fn check_tensor_shapes(ct: &gguf_file::Content, cfg: &Config, path: &Path) -> Re
     Ok(())
 }
 
-fn gguf_err(path: &Path, e: candle_core::Error) -> Error {
-    Error::bad_file(path, format!("not a readable GGUF file: {e}"))
-}
-
 /// GGUF stores Llama's q/k rows permuted for interleaved rotary embeddings; undo that so one
 /// (half-split) rope serves both formats.
 fn unpermute_qk(w: &Tensor, heads: usize) -> Result<Tensor> {
@@ -239,11 +254,76 @@ pub fn permute_qk(w: &Tensor, heads: usize) -> Result<Tensor> {
     Ok(w.reshape((heads, 2, hd / 2, inp))?.transpose(1, 2)?.reshape((out, inp))?.contiguous()?)
 }
 
-fn load_gguf(path: &Path, mut f: std::fs::File, device: &Device) -> Result<Target> {
-    f.rewind().map_err(|e| Error::io(path, e))?;
-    let file_size = f.metadata().map_err(|e| Error::io(path, e))?.len();
-    let mut r = std::io::BufReader::new(f);
-    let ct = gguf_file::Content::read(&mut r).map_err(|e| gguf_err(path, e))?;
+/// A GGUF file as a [`WeightSource`]: Hugging Face names mapped to GGUF tensors, q/k rows
+/// un-permuted, blocks kept for `--weights native`, rows of the embedding and lm_head read in
+/// place.
+struct GgufSource<'a> {
+    file: &'a GgufFile,
+    /// Hugging Face name -> (GGUF name, heads whose q/k rows to un-permute).
+    names: HashMap<String, (String, Option<usize>)>,
+    head_dim: usize,
+}
+
+impl GgufSource<'_> {
+    fn gguf_name(&self, name: &str) -> Result<&(String, Option<usize>)> {
+        self.names.get(name).ok_or_else(|| Error::bad_file(&self.file.path, format!("no tensor for {name}")))
+    }
+}
+
+impl WeightSource for GgufSource<'_> {
+    fn tensor(&self, name: &str, shape: &[usize], device: &Device) -> Result<Tensor> {
+        let (g, heads) = self.gguf_name(name)?;
+        let mut t = self.file.dequantize(g)?;
+        if t.dims() != shape {
+            return Err(Error::bad_file(&self.file.path, format!("tensor {g} has shape {:?}, expected {shape:?}", t.dims())));
+        }
+        if let Some(h) = heads {
+            t = unpermute_qk(&t, *h)?;
+        }
+        Ok(t.to_device(device)?)
+    }
+
+    fn staged(&self, name: &str, shape: (usize, usize), format: WeightFormat) -> Result<Staged> {
+        let (g, heads) = self.gguf_name(name)?;
+        let e = self.file.extent(g)?;
+        if e.dims != [shape.0, shape.1] {
+            return Err(Error::bad_file(&self.file.path, format!("tensor {g} has shape {:?}, expected {:?}", e.dims, [shape.0, shape.1])));
+        }
+        let (n, k) = shape;
+        let values = |format: WeightFormat| -> Result<Staged> {
+            let t = self.tensor(name, &[n, k], &Device::Cpu)?;
+            Ok(Staged::Values { data: t.flatten_all()?.to_vec1::<f32>()?, n, k, format })
+        };
+        if format != WeightFormat::Native {
+            return values(format);
+        }
+        match QuantKind::from_ggml(e.dtype) {
+            Some(kind) if k % kind.block_values() == 0 => {
+                let rows = QuantRows::new(kind, n, k, self.file.read_vec(g)?).map_err(|err| Error::bad_file(&self.file.path, format!("tensor {g}: {err}")))?;
+                Ok(Staged::Blocks(match heads {
+                    Some(h) => rows.permute_rows(&unpermute_rows(*h, self.head_dim)),
+                    None => rows,
+                }))
+            }
+            // No kernel reads these blocks as they are: f32 and f16 keep their precision,
+            // other types (Q5_*, Q6_K, ...) are requantised to Q8_0.
+            _ if e.dtype == GgmlDType::F32 => values(WeightFormat::F32),
+            _ if e.dtype == GgmlDType::F16 => values(WeightFormat::F16),
+            _ => values(WeightFormat::Q8_0),
+        }
+    }
+
+    fn rows(&self, name: &str) -> Result<Option<RawRows>> {
+        match self.names.get(name) {
+            Some((g, None)) => Ok(Some(self.file.rows(g)?)),
+            _ => Ok(None),
+        }
+    }
+}
+
+fn load_gguf(path: &Path, device: &Device, weights: WeightFormat) -> Result<Target> {
+    let file = GgufFile::open(path)?;
+    let ct = &file.content;
     let md = &ct.metadata;
     let arch = md
         .get("general.architecture")
@@ -252,19 +332,6 @@ fn load_gguf(path: &Path, mut f: std::fs::File, device: &Device) -> Result<Targe
         .ok_or_else(|| Error::bad_file(path, "no general.architecture in the GGUF metadata"))?;
     if !matches!(arch.as_str(), "llama" | "mistral" | "qwen2") {
         return Err(Error::unsupported(path, format!("architecture '{arch}' (supported: llama, mistral, qwen2)")));
-    }
-    // Check every tensor lies inside the file before reading any: a truncated download is the
-    // most common broken GGUF and deserves a precise message.
-    for (name, info) in ct.tensor_infos.iter() {
-        let elems = info.shape.dims().iter().try_fold(1u64, |n, &d| n.checked_mul(d as u64));
-        let block = info.ggml_dtype.block_size() as u64;
-        let bytes = elems.filter(|e| e % block == 0).and_then(|e| (e / block).checked_mul(info.ggml_dtype.type_size() as u64));
-        let end = bytes.and_then(|b| ct.tensor_data_offset.checked_add(info.offset)?.checked_add(b));
-        match end {
-            None => return Err(Error::bad_file(path, format!("tensor {name}: shape {:?} is not a whole number of {:?} blocks, or its size overflows", info.shape.dims(), info.ggml_dtype))),
-            Some(end) if end > file_size => return Err(Error::bad_file(path, format!("truncated: tensor {name} ends at byte {end} but the file has {file_size} bytes"))),
-            Some(_) => {}
-        }
     }
     let key = |k: &str| format!("{arch}.{k}");
     let get_u = |k: &str| -> Result<usize> {
@@ -287,7 +354,7 @@ fn load_gguf(path: &Path, mut f: std::fs::File, device: &Device) -> Result<Targe
         d => return Err(Error::bad_file(path, format!("token_embd.weight has shape {d:?}; the metadata's embedding length {hidden} wants [vocabulary, {hidden}]"))),
     };
     let head_dim = md.get(&key("attention.key_length")).and_then(|v| v.to_u32().ok()).map(|v| v as usize).unwrap_or(hidden / heads.max(1));
-    let tie = !ct.tensor_infos.contains_key("output.weight");
+    let tie = !file.has("output.weight");
     let cfg = Config {
         architecture: arch.clone(),
         vocab_size: vocab,
@@ -301,80 +368,67 @@ fn load_gguf(path: &Path, mut f: std::fs::File, device: &Device) -> Result<Targe
         rope_theta: get_f("rope.freq_base").unwrap_or(10000.0) as f64,
         max_position: ctx,
         tie_embeddings: tie,
-        attention_bias: ct.tensor_infos.contains_key("blk.0.attn_q.bias"),
+        attention_bias: file.has("blk.0.attn_q.bias"),
         bos_token_id: tokenizer.bos_id,
         eos_token_ids: tokenizer.eos_ids.clone(),
     };
     cfg.validate().map_err(|m| Error::bad_file(path, m))?;
-    check_tensor_shapes(&ct, &cfg, path)?;
-    let mut ts: HashMap<String, Tensor> = HashMap::new();
-    let mut native = NativeWeights::new();
-    let cpu = Device::Cpu;
-    // Reads a tensor dequantised to f32, and records under `hf_name` how `--weights native`
-    // keeps it (its own blocks, with rows reordered by `perm` for q/k).
-    let mut read_as = |name: &str, hf_name: &str, perm: Option<&[usize]>| -> Result<Tensor> {
-        let q = ct.tensor(&mut r, name, &cpu).map_err(|e| Error::bad_file(path, format!("tensor {name}: {e}")))?;
-        let kind = match q.dtype() {
-            GgmlDType::Q8_0 => Some(QuantKind::Q8_0),
-            GgmlDType::Q4_0 => Some(QuantKind::Q4_0),
-            GgmlDType::Q4_1 => Some(QuantKind::Q4_1),
-            GgmlDType::Q4K => Some(QuantKind::Q4K),
-            _ => None,
-        };
-        let dims = q.shape().dims().to_vec();
-        let entry = match (kind, dims.as_slice()) {
-            (Some(kind), &[n, k]) if k % kind.block_values() == 0 => {
-                let rows = QuantRows::new(kind, n, k, q.data()?.into_owned()).map_err(|e| Error::bad_file(path, format!("tensor {name}: {e}")))?;
-                Some(NativeWeight::Blocks(match perm {
-                    Some(p) => rows.permute_rows(p),
-                    None => rows,
-                }))
+    check_tensor_shapes(ct, &cfg, path)?;
+    // f32 weights on a device other than the CPU need room there, not here; on the CPU, say up
+    // front what the model will take rather than fail part way.
+    if device.is_cpu() {
+        let need = resident_bytes(ct, weights);
+        if let Some(avail) = crate::files::available_memory() {
+            if need > avail {
+                return Err(Error::bad_file(path, format!("--weights {weights} needs about {:.1} GB of memory for the weights; {:.1} GB is available{}", need as f64 / 1e9, avail as f64 / 1e9, if weights == WeightFormat::Native { "" } else { " (--weights native keeps the file's own blocks)" })));
             }
-            _ if q.dtype() == GgmlDType::F32 => None,
-            _ if q.dtype() == GgmlDType::F16 => Some(NativeWeight::F16),
-            _ => Some(NativeWeight::Requantize),
-        };
-        if let Some(e) = entry {
-            native.insert(hf_name.to_string(), e);
         }
-        Ok(q.dequantize(&cpu)?)
-    };
-
+    }
     // Only llama-arch GGUFs are permuted by the converter; qwen2 keeps the NeoX layout.
     let permuted = arch != "qwen2";
-    ts.insert("model.embed_tokens.weight".into(), read_as("token_embd.weight", "model.embed_tokens.weight", None)?);
-    ts.insert("model.norm.weight".into(), read_as("output_norm.weight", "model.norm.weight", None)?);
+    let mut names: HashMap<String, (String, Option<usize>)> = HashMap::new();
+    names.insert("model.embed_tokens.weight".into(), ("token_embd.weight".into(), None));
+    names.insert("model.norm.weight".into(), ("output_norm.weight".into(), None));
     if !tie {
-        ts.insert("lm_head.weight".into(), read_as("output.weight", "lm_head.weight", None)?);
+        names.insert("lm_head.weight".into(), ("output.weight".into(), None));
     }
     for i in 0..layers {
-        let p = format!("model.layers.{i}");
-        let b = format!("blk.{i}");
-        let (qn, kn) = (format!("{p}.self_attn.q_proj.weight"), format!("{p}.self_attn.k_proj.weight"));
-        let (qp, kp) = (unpermute_rows(heads, head_dim), unpermute_rows(kv_heads, head_dim));
-        let mut q = read_as(&format!("{b}.attn_q.weight"), &qn, permuted.then_some(&qp[..]))?;
-        let mut k = read_as(&format!("{b}.attn_k.weight"), &kn, permuted.then_some(&kp[..]))?;
-        if permuted {
-            q = unpermute_qk(&q, heads)?;
-            k = unpermute_qk(&k, kv_heads)?;
-        }
-        ts.insert(qn, q);
-        ts.insert(kn, k);
-        if cfg.attention_bias {
-            for (g, h) in [("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj")] {
-                let hn = format!("{p}.self_attn.{h}.bias");
-                ts.insert(hn.clone(), read_as(&format!("{b}.{g}.bias"), &hn, None)?);
-            }
+        let (p, b) = (format!("model.layers.{i}"), format!("blk.{i}"));
+        names.insert(format!("{p}.self_attn.q_proj.weight"), (format!("{b}.attn_q.weight"), permuted.then_some(heads)));
+        names.insert(format!("{p}.self_attn.k_proj.weight"), (format!("{b}.attn_k.weight"), permuted.then_some(kv_heads)));
+        for (g, h) in [("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj")] {
+            names.insert(format!("{p}.self_attn.{h}.bias"), (format!("{b}.{g}.bias"), None));
         }
         for (g, h) in GGUF_LAYER_TENSORS {
-            let hn = format!("{p}.{h}");
-            ts.insert(hn.clone(), read_as(&format!("{b}.{g}"), &hn, None)?);
+            names.insert(format!("{p}.{h}"), (format!("{b}.{g}"), None));
         }
     }
+    let src = GgufSource { file: &file, names, head_dim };
+    let model = Llama::build(&src, &cfg, weights, device).map_err(|e| Error::bad_file(path, e.to_string()))?;
     let (chat_template, chat_template_error) = usable_template(md.get("tokenizer.chat_template").and_then(|v| v.to_string().ok()).cloned());
-    let vb = VarBuilder::from_tensors(ts, DType::F32, device);
-    let model = Llama::load(vb, &cfg).map_err(|e| Error::bad_file(path, e.to_string()))?;
-    Ok(Target { model, tokenizer, chat_template, chat_template_error, path: path.to_path_buf(), native })
+    Ok(Target { model, tokenizer, chat_template, chat_template_error, path: path.to_path_buf() })
+}
+
+/// Bytes the weights will take in memory under `weights` (the packed copies, plus the f32
+/// weights for f32), estimated from the file's tensor types before anything is read.
+fn resident_bytes(ct: &gguf_file::Content, weights: WeightFormat) -> u64 {
+    ct.tensor_infos
+        .values()
+        .map(|info| {
+            let elems = info.shape.elem_count() as u64;
+            let file_bytes = elems / info.ggml_dtype.block_size() as u64 * info.ggml_dtype.type_size() as u64;
+            match weights {
+                // f32 weights and their packed copies.
+                WeightFormat::F32 => elems * 8,
+                WeightFormat::F16 | WeightFormat::Bf16 => elems * 2,
+                WeightFormat::Q8_0 => elems * 34 / 32,
+                WeightFormat::Native => match info.ggml_dtype {
+                    GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q4K | GgmlDType::Q8_0 | GgmlDType::F16 | GgmlDType::F32 => file_bytes,
+                    _ => elems * 34 / 32,
+                },
+            }
+        })
+        .sum()
 }
 
 fn read_json(path: &Path) -> Result<serde_json::Value> {
@@ -391,7 +445,7 @@ fn token_str(v: Option<&serde_json::Value>) -> Option<String> {
     }
 }
 
-fn load_hf(dir: &Path, device: &Device) -> Result<Target> {
+fn load_hf(dir: &Path, device: &Device, weights: WeightFormat) -> Result<Target> {
     let cfg_path = dir.join("config.json");
     if !cfg_path.exists() {
         return Err(Error::bad_file(dir, "not a Hugging Face model directory: config.json is missing"));
@@ -456,17 +510,16 @@ fn load_hf(dir: &Path, device: &Device) -> Result<Target> {
     } else {
         return Err(Error::bad_file(dir, "no model.safetensors or model.safetensors.index.json"));
     };
-    let mut ts: HashMap<String, Tensor> = HashMap::new();
     for f in &files {
         if !f.exists() {
             return Err(Error::io(f, std::io::Error::new(std::io::ErrorKind::NotFound, "weight shard not found")));
         }
-        let part = candle_core::safetensors::load(f, &Device::Cpu).map_err(|e| Error::bad_file(f, format!("not a readable safetensors file: {e}")))?;
-        for (k, v) in part {
-            ts.insert(k, v.to_dtype(DType::F32)?);
-        }
     }
-    if !ts.contains_key("lm_head.weight") {
+    // SAFETY: the shards are memory-mapped read-only and must not change while loading (as in
+    // candle's and every other safetensors loader); each tensor is read once, converted to f32
+    // and, unless f32 is asked for, packed and dropped.
+    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, DType::F32, device) }.map_err(|e| Error::bad_file(&files[0], format!("not a readable safetensors file: {e}")))?;
+    if !vb.contains_tensor("lm_head.weight") {
         cfg.tie_embeddings = true;
     }
 
@@ -494,9 +547,8 @@ fn load_hf(dir: &Path, device: &Device) -> Result<Target> {
         Some(serde_json::Value::Array(a)) => a.iter().find(|t| t["name"] == "default").or_else(|| a.first()).and_then(|t| t["template"].as_str()).map(str::to_string),
         _ => None,
     });
-    let vb = VarBuilder::from_tensors(ts, DType::F32, device);
-    let model = Llama::load(vb, &cfg).map_err(|e| Error::bad_file(dir, e.to_string()))?;
-    Ok(Target { model, tokenizer, chat_template, chat_template_error, path: dir.to_path_buf(), native: NativeWeights::new() })
+    let model = Llama::build(&vb, &cfg, weights, device).map_err(|e| Error::bad_file(dir, e.to_string()))?;
+    Ok(Target { model, tokenizer, chat_template, chat_template_error, path: dir.to_path_buf() })
 }
 
 /// A template source as a usable template, or the reason it is not one.

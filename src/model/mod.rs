@@ -3,6 +3,7 @@
 //!
 //! Depends only on [`crate::cpu`].
 pub mod fixtures;
+pub mod gguf;
 pub mod kv_cache;
 pub mod llama;
 pub mod loader;

@@ -514,7 +514,7 @@ pub fn fit_batches(mut batches: Vec<Vec<usize>>, n: usize) -> Vec<Vec<usize>> {
 /// scored positions only (the answers of a conversation).
 pub fn validate(heads: &Heads, target: &Target, chunks: &[Example]) -> Result<HeadAccuracy> {
     let k_heads = heads.num_heads();
-    let lm = target.model.lm_head().weight();
+    let lm = &target.model.lm_head_weight()?;
     let mut top1 = vec![0usize; k_heads];
     let mut top5 = vec![0usize; k_heads];
     let mut counts = vec![0usize; k_heads];
@@ -708,7 +708,7 @@ pub fn train(
 
     let device = target.model.device().clone();
     let varmap = VarMap::new();
-    let lm = target.model.lm_head().weight().clone();
+    let lm = target.model.lm_head_weight()?;
     let mcfg = target.model.config();
     let hcfg = HeadsConfig {
         num_heads: k_heads,
@@ -740,7 +740,7 @@ pub fn train(
         };
         slot_of = ids.iter().enumerate().map(|(i, &t)| (t, i as u32)).collect();
         log(format!("draft vocabulary: {} tokens{}", ids.len(), if init.is_some() { ", as --init's" } else { ", the corpus's most frequent" }));
-        heads.set_draft_vocab(ids, &lm)?;
+        heads.set_draft_vocab(ids, &target.model)?;
     }
     let restricted = heads.draft_vocab().is_some();
     let slot = |t: u32| -> Option<u32> { if restricted { slot_of.get(&t).copied() } else { Some(t) } };

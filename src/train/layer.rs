@@ -101,7 +101,7 @@ fn chunk_loss(layer: &TrainLayer, target: &Target, ex: &Example, cfg: &TrainConf
 /// guesses the token k places past the root, drafted along the true tokens above it (the
 /// unrolled forward, which attends exactly as a drafted chain does).
 pub fn validate_layer(layer: &TrainLayer, ids: &[u32], target: &Target, chunks: &[Example]) -> Result<HeadAccuracy> {
-    let lm = target.model.lm_head().weight();
+    let lm = &target.model.lm_head_weight()?;
     let mut top1 = vec![0usize; VAL_LEVELS];
     let mut top5 = vec![0usize; VAL_LEVELS];
     let mut counts = vec![0usize; VAL_LEVELS];
