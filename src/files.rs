@@ -1,4 +1,5 @@
-//! Writing files so that a kill never leaves half of one behind.
+//! Writing files so that a kill never leaves half of one behind; reading them within bounds; the
+//! on-disk cache of start-up work.
 use std::path::PathBuf;
 
 use crate::{Error, Result};
@@ -17,6 +18,48 @@ pub fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> Result<()> {
     std::fs::write(&tmp, bytes).map_err(|e| Error::io(&tmp, e))?;
     std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))?;
     Ok(())
+}
+
+/// Where start-up work that would otherwise repeat on every run is kept between runs (the `auto`
+/// tree's measured cost curve, datastore indexes): `$SELFSPEC_CACHE` (`off` for no cache), else
+/// `$XDG_CACHE_HOME/selfspec`, else `~/.cache/selfspec`; `None` when off or there is no home.
+pub fn cache_dir() -> Option<PathBuf> {
+    match std::env::var_os("SELFSPEC_CACHE") {
+        Some(v) if v == "off" => None,
+        Some(v) if !v.is_empty() => Some(PathBuf::from(v)),
+        _ => std::env::var_os("XDG_CACHE_HOME")
+            .filter(|v| !v.is_empty())
+            .map(|v| PathBuf::from(v).join("selfspec"))
+            .or_else(|| std::env::var_os("HOME").filter(|v| !v.is_empty()).map(|h| PathBuf::from(h).join(".cache/selfspec"))),
+    }
+}
+
+/// The cache entry `kind/key` under `dir`, when present and at most `max` bytes. A cache is an
+/// optimisation: anything unreadable is a miss, and every reader checks what it gets.
+pub fn cache_read(dir: &std::path::Path, kind: &str, key: &str, max: u64) -> Option<Vec<u8>> {
+    let path = dir.join(kind).join(key);
+    let len = std::fs::metadata(&path).ok()?.len();
+    if len > max {
+        return None;
+    }
+    std::fs::read(&path).ok()
+}
+
+/// Store the cache entry `kind/key` under `dir` atomically. Failures are ignored (a read-only
+/// home must not stop a run): the next run measures again.
+pub fn cache_write(dir: &std::path::Path, kind: &str, key: &str, bytes: &[u8]) {
+    let _ = write_atomic(&dir.join(kind).join(key), bytes);
+}
+
+/// A cache key: the hex SHA-256 of `parts`, each length-prefixed so no two lists collide.
+pub fn cache_key(parts: &[&[u8]]) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for p in parts {
+        h.update((p.len() as u64).to_le_bytes());
+        h.update(p);
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// The largest JSON/text configuration file read whole (drafter configs, tree files, a model's
@@ -158,6 +201,19 @@ mod tests {
         write_atomic(&p, b"two").unwrap();
         assert_eq!(std::fs::read(&p).unwrap(), b"two");
         assert!(!dir.join("a.txt.tmp").exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn cache_entries_round_trip_and_are_bounded() {
+        let dir = std::env::temp_dir().join(format!("selfspec-cache-{}", std::process::id()));
+        let key = cache_key(&[b"model", b"f32"]);
+        assert_ne!(key, cache_key(&[b"modelf", b"32"]), "length prefixes keep parts apart");
+        assert_eq!(cache_read(&dir, "costs", &key, 100), None);
+        cache_write(&dir, "costs", &key, b"[1.5]");
+        assert_eq!(cache_read(&dir, "costs", &key, 100).as_deref(), Some(&b"[1.5]"[..]));
+        assert_eq!(cache_read(&dir, "costs", &key, 3), None, "larger than allowed is a miss");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

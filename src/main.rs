@@ -35,6 +35,8 @@ fn keep_freed_pages_warm() {
 fn main() {
     keep_freed_pages_warm();
     let args = cli::Cli::parse();
+    // Start-up work that repeats per run (the `auto` tree's cost curve) is kept between runs.
+    selfspec::draft::budget::cache_costs_in(selfspec::files::cache_dir());
     if let Err(e) = cli::run(args) {
         eprintln!("error: {e:#}");
         std::process::exit(1);

@@ -144,8 +144,8 @@ impl DrafterArgs {
             return Ok(None);
         }
         let t0 = std::time::Instant::now();
-        let ds = Datastore::from_inputs(target, &self.datastore)?;
-        eprintln!("datastore: {} tokens indexed in {:.1}s", ds.len(), t0.elapsed().as_secs_f64());
+        let ds = Datastore::from_inputs_cached(target, &self.datastore, selfspec::files::cache_dir().as_deref())?;
+        eprintln!("datastore: {} tokens ready in {:.1}s (indexes are cached between runs)", ds.len(), t0.elapsed().as_secs_f64());
         Ok(Some(ds))
     }
 }

@@ -28,7 +28,8 @@ pub struct BenchArgs {
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
-    let mut target = a.model.load_as(WeightFormat::F32)?;
+    // Loaded in the first format asked for (an 8B model would not fit in f32 first).
+    let mut target = a.model.load_as(a.model.weights.unwrap_or(WeightFormat::F32))?;
     let formats = match a.model.weights {
         Some(w) => vec![w],
         None if target.model.device().is_cpu() => WeightFormat::ALL.to_vec(),

@@ -22,6 +22,16 @@ pub(crate) fn has_avx2() -> bool {
     false
 }
 
+/// This CPU as `/proc/cpuinfo` names it and the kernels' paths on it: what cached timings are
+/// keyed by (timings from another CPU, or another path, do not apply here).
+pub fn cpu_identity() -> String {
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|m| m.trim().to_string()))
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+    format!("{model}; {}", cpu_kernels())
+}
+
 /// The instruction-set paths the CPU kernels take on this machine, as reports name them
 /// ("AVX-512, int8 on VNNI, bf16 on AMX", "AVX2", "portable"). Why reports carry it: every path
 /// gives the same bits, but timings, and so speed-ups and `auto`'s trees, are comparable only

@@ -10,11 +10,38 @@
 //! gets big trees while this 2-core CPU, where each extra row costs, gets small ones. The choice
 //! depends only on the drafts and the emitted text, never on the target's verdict for this step,
 //! so both acceptance rules stay exact.
-use std::sync::Arc;
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
 
 use crate::model::Llama;
 use crate::draft::tree::Tree;
 use crate::Result;
+
+static COST_CACHE: OnceLock<Option<PathBuf>> = OnceLock::new();
+
+/// Keep measured cost curves in `dir` between runs (the CLI passes
+/// [`crate::files::cache_dir`]); until this is called, nothing is cached. The first call wins.
+pub fn cache_costs_in(dir: Option<PathBuf>) {
+    let _ = COST_CACHE.set(dir);
+}
+
+/// What a forward's cost depends on: the model's shapes and the bytes its weights stream (not
+/// their values), the weight and KV formats, the CPU and its kernel path, the thread count, the
+/// device, and this program's version (kernels change between versions).
+fn cost_key(model: &Llama, max_tokens: usize) -> String {
+    let cfg = serde_json::to_string(model.config()).unwrap_or_default();
+    let what = format!(
+        "{cfg}|{}|{:?}|{}|{}|{}|{:?}|{max_tokens}|{}",
+        model.weight_format(),
+        model.kv_dtype(),
+        model.weight_bytes_per_forward(),
+        crate::cpu::isa::cpu_identity(),
+        crate::cpu::team::threads(),
+        model.device().location(),
+        env!("CARGO_PKG_VERSION"),
+    );
+    crate::files::cache_key(&[what.as_bytes()])
+}
 
 /// Median forward time in ms (with logits for every row) for T = 1..=len new tokens.
 #[derive(Debug, Clone, PartialEq)]
@@ -52,12 +79,31 @@ impl CostCurve {
         Ok(CostCurve { ms })
     }
 
-    /// Time this model's forward for the token counts a tree of up to `max_tokens` nodes uses.
+    /// Time this model's forward for the token counts a tree of up to `max_tokens` nodes uses,
+    /// or take the points measured by an earlier run from the cache ([`cache_costs_in`]).
+    /// Why cache: timing takes about 0.9 s (SmolLM2 native, 2-core Xeon), four times what
+    /// loading the model and decoding a first token take.
     pub fn measure(model: &Llama, max_tokens: usize) -> Result<Self> {
+        Self::measure_cached(model, max_tokens, COST_CACHE.get().and_then(|d| d.as_deref()))
+    }
+
+    /// [`CostCurve::measure`] with the cache in `dir` (none: always measure).
+    pub fn measure_cached(model: &Llama, max_tokens: usize, dir: Option<&std::path::Path>) -> Result<Self> {
+        let key = cost_key(model, max_tokens);
+        if let Some(bytes) = dir.and_then(|d| crate::files::cache_read(d, "costs", &key, 1 << 16)) {
+            if let Ok(c) = serde_json::from_slice::<Vec<(usize, f64)>>(&bytes).map_err(|e| e.to_string()).and_then(|p| Self::from_points(&p, max_tokens).map_err(|e| e.to_string())) {
+                return Ok(c);
+            }
+        }
         let counts: Vec<usize> = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64].into_iter().filter(|&t| t <= max_tokens.max(1)).collect();
         // Nine rounds: bare `auto` sizes its trees from this curve, so one slow round must not move it.
         let rows = crate::model::timing::bench_forward(model, 128, &counts, 9)?;
-        Self::from_points(&rows.iter().map(|r| (r.tokens, r.median_ms)).collect::<Vec<_>>(), max_tokens)
+        let points: Vec<(usize, f64)> = rows.iter().map(|r| (r.tokens, r.median_ms)).collect();
+        let curve = Self::from_points(&points, max_tokens)?;
+        if let (Some(d), Ok(json)) = (dir, serde_json::to_vec(&points)) {
+            crate::files::cache_write(d, "costs", &key, &json);
+        }
+        Ok(curve)
     }
 
     /// Cost of a forward over `t` tokens (t >= 1).
@@ -330,6 +376,30 @@ pub fn choose_nodes(tree: &Tree, estimates: &[f64], costs: &CostCurve, fixed_ms:
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn measured_costs_are_cached_per_model_and_format() {
+        let dir = std::env::temp_dir().join(format!("selfspec-costs-{}", std::process::id()));
+        let cfg = crate::model::fixtures::tiny_config();
+        let w = crate::model::fixtures::random_weights(&cfg, 3).unwrap();
+        let vb = candle_nn::VarBuilder::from_tensors(w, candle_core::DType::F32, &candle_core::Device::Cpu);
+        let mut model = Llama::load(vb, &cfg).unwrap();
+        let measured = CostCurve::measure_cached(&model, 4, Some(&dir)).unwrap();
+        let key = cost_key(&model, 4);
+        assert!(dir.join("costs").join(&key).exists());
+        // A later run reads the entry instead of timing (a doctored entry shows it was read).
+        crate::files::cache_write(&dir, "costs", &key, b"[[1, 5.0], [4, 8.0]]");
+        let cached = CostCurve::measure_cached(&model, 4, Some(&dir)).unwrap();
+        assert_eq!(cached.at(1), 5.0);
+        assert_eq!(cached.max_tokens(), measured.max_tokens());
+        // A corrupt entry is a miss, never an error; another format is another key.
+        crate::files::cache_write(&dir, "costs", &key, b"[[2, -1.0]]");
+        assert!(CostCurve::measure_cached(&model, 4, Some(&dir)).unwrap().at(1) != 5.0);
+        model.set_weights(crate::cpu::quant::WeightFormat::Q8_0, &crate::model::NativeWeights::new()).unwrap();
+        assert_ne!(cost_key(&model, 4), key);
+        assert_ne!(cost_key(&model, 5), cost_key(&model, 4));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     fn curve(ms: &[f64]) -> CostCurve {
         CostCurve::from_points(&ms.iter().enumerate().map(|(i, &m)| (i + 1, m)).collect::<Vec<_>>(), ms.len()).unwrap()

@@ -218,6 +218,10 @@ pub struct Message {
 }
 
 impl ChatTemplate {
+    /// The template's Jinja source (cache keys of what it renders name it).
+    pub fn source(&self) -> &str {
+        &self.source
+    }
     pub fn new(source: String) -> Result<Self> {
         let t = ChatTemplate { source };
         // Compile once now so a broken template is reported at load, not at the first prompt.
