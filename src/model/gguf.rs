@@ -14,6 +14,7 @@ use std::sync::Arc;
 use candle_core::quantized::{ggml_file, gguf_file, GgmlDType};
 use candle_core::{Device, Tensor};
 
+use crate::cpu::quant::{QuantKind, QuantRows, SharedBytes};
 use crate::{Error, Result};
 
 /// Where one tensor lies in the file, and what it holds.
@@ -83,19 +84,45 @@ impl GgufFile {
         Ok((e, buf))
     }
 
-    /// The tensor's bytes as they are, read from the file (for blocks parsed byte by byte).
-    pub fn read_vec(&self, name: &str) -> Result<Vec<u8>> {
+    /// The tensor dequantised to f32, in its stored shape (any type candle reads): from the map
+    /// in place where its data is aligned for candle's block types (GGUF aligns tensor data to
+    /// 32 bytes by default), else from a copy.
+    pub fn dequantize(&self, name: &str) -> Result<Tensor> {
         let e = self.extent(name)?;
-        let mut buf = vec![0u8; e.len];
-        let mut f = &self.file;
-        f.seek(SeekFrom::Start(e.offset as u64)).and_then(|_| f.read_exact(&mut buf)).map_err(|err| Error::io(&self.path, err))?;
-        Ok(buf)
+        let bytes = &self.map[e.offset..e.offset + e.len];
+        let r = if bytes.as_ptr().align_offset(8) == 0 {
+            dequantize(e.dtype, bytes, e.dims)
+        } else {
+            let (e, copy) = self.read(name)?;
+            dequantize(e.dtype, copy.as_slice(), e.dims)
+        };
+        r.map_err(|err| Error::bad_file(&self.path, format!("tensor {name}: {err}")))
     }
 
-    /// The tensor dequantised to f32, in its stored shape (any type candle reads).
-    pub fn dequantize(&self, name: &str) -> Result<Tensor> {
-        let (e, bytes) = self.read(name)?;
-        dequantize(e.dtype, bytes.as_slice(), e.dims).map_err(|err| Error::bad_file(&self.path, format!("tensor {name}: {err}")))
+    /// The tensor's blocks in place, as a view into the map (nothing is copied: packing reads
+    /// them straight from the file's pages).
+    pub fn blocks(&self, name: &str, kind: QuantKind) -> Result<QuantRows> {
+        let e = self.extent(name)?;
+        let &[n, k] = e.dims.as_slice() else {
+            return Err(Error::bad_file(&self.path, format!("tensor {name} has shape {:?}, expected a matrix", e.dims)));
+        };
+        let map: SharedBytes = self.map.clone();
+        QuantRows::shared(kind, n, k, map, e.offset, e.len).map_err(|err| Error::bad_file(&self.path, format!("tensor {name}: {err}")))
+    }
+
+    /// Done reading `name` for now: drop its pages from this process's resident memory. They
+    /// stay in the kernel's page cache, and a later read faults them back in from it. Why:
+    /// packing reads every weight once through the map, and without this the whole file would
+    /// count in the process's memory beside the packed copy (an 8B model's 4.5 GB twice).
+    pub fn release(&self, name: &str) {
+        #[cfg(unix)]
+        if let Ok(e) = self.extent(name) {
+            // SAFETY: the map is a read-only file mapping that nothing writes, so pages dropped
+            // here read back with the same bytes; anything borrowing them sees no change.
+            let _ = unsafe { self.map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, e.offset, e.len) };
+        }
+        #[cfg(not(unix))]
+        let _ = name;
     }
 
     /// A matrix's rows, read in place when asked for.

@@ -268,6 +268,8 @@ pub trait WeightSource {
     fn rows(&self, _name: &str) -> Result<Option<RawRows>> {
         Ok(None)
     }
+    /// Done with `name`'s staged weight (it is packed): a memory-mapped source drops its pages.
+    fn release(&self, _name: &str) {}
 }
 
 impl WeightSource for VarBuilder<'_> {
@@ -416,7 +418,11 @@ impl Llama {
                 return Ok(None);
             }
             let staged = names.iter().map(|(n, shape)| src.staged(&format!("{n}.weight"), *shape, format)).collect::<Result<Vec<_>>>()?;
-            install(parts, staged)
+            let fused = install(parts, staged)?;
+            for (n, _) in names {
+                src.release(&format!("{n}.weight"));
+            }
+            Ok(fused)
         };
         // The lm_head first: packing holds a tensor twice for a moment, and the largest tensor
         // costs least while little else is resident (SmolLM2 native: 60 MB off the peak).

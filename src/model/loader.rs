@@ -8,7 +8,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use sha2::{Digest, Sha256};
 
-use crate::cpu::quant::{QuantKind, QuantRows, Staged, WeightFormat};
+use crate::cpu::quant::{QuantKind, Staged, WeightFormat};
 use crate::model::gguf::{GgufFile, RawRows};
 use crate::model::{Config, Llama, WeightSource};
 use crate::model::tokenizer::{ChatTemplate, Tokenizer};
@@ -274,6 +274,7 @@ impl WeightSource for GgufSource<'_> {
     fn tensor(&self, name: &str, shape: &[usize], device: &Device) -> Result<Tensor> {
         let (g, heads) = self.gguf_name(name)?;
         let mut t = self.file.dequantize(g)?;
+        self.file.release(g);
         if t.dims() != shape {
             return Err(Error::bad_file(&self.file.path, format!("tensor {g} has shape {:?}, expected {shape:?}", t.dims())));
         }
@@ -299,9 +300,9 @@ impl WeightSource for GgufSource<'_> {
         }
         match QuantKind::from_ggml(e.dtype) {
             Some(kind) if k % kind.block_values() == 0 => {
-                let rows = QuantRows::new(kind, n, k, self.file.read_vec(g)?).map_err(|err| Error::bad_file(&self.file.path, format!("tensor {g}: {err}")))?;
+                let rows = self.file.blocks(g, kind)?;
                 Ok(Staged::Blocks(match heads {
-                    Some(h) => rows.permute_rows(&unpermute_rows(*h, self.head_dim)),
+                    Some(h) => rows.permute_rows(&unpermute_rows(*h, self.head_dim))?,
                     None => rows,
                 }))
             }
@@ -310,6 +311,12 @@ impl WeightSource for GgufSource<'_> {
             _ if e.dtype == GgmlDType::F32 => values(WeightFormat::F32),
             _ if e.dtype == GgmlDType::F16 => values(WeightFormat::F16),
             _ => values(WeightFormat::Q8_0),
+        }
+    }
+
+    fn release(&self, name: &str) {
+        if let Some((g, _)) = self.names.get(name) {
+            self.file.release(g);
         }
     }
 
