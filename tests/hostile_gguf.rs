@@ -38,12 +38,18 @@ fn load(path: &std::path::Path, bytes: &[u8]) -> (Result<usize, String>, usize) 
     let base = LIVE.load(Ordering::Relaxed);
     PEAK.store(base, Ordering::Relaxed);
     let r = std::panic::catch_unwind(|| -> Result<usize, String> {
-        let t = selfspec::model::loader::Target::load(path, &candle_core::Device::Cpu).map_err(|e| e.to_string())?;
-        let params = selfspec::decode::sampling::SamplingParams::greedy();
-        let stop = selfspec::decode::generate::StopRule { max_new_tokens: 3, eos_ids: &[] };
-        let (out, _) = selfspec::decode::generate::generate_plain(&t.model, &[1, 2, 3], &params, &stop, &mut selfspec::decode::sampling::rng(0), &mut |_| Ok(()))
-            .map_err(|e| e.to_string())?;
-        Ok(out.len())
+        // Both loading paths: f32 (dequantised copies) and native (blocks packed straight from
+        // the memory map, embedding rows read in place).
+        let mut n = 0;
+        for f in [selfspec::cpu::quant::WeightFormat::F32, selfspec::cpu::quant::WeightFormat::Native] {
+            let t = selfspec::model::loader::Target::load_with(path, &candle_core::Device::Cpu, f).map_err(|e| e.to_string())?;
+            let params = selfspec::decode::sampling::SamplingParams::greedy();
+            let stop = selfspec::decode::generate::StopRule { max_new_tokens: 3, eos_ids: &[] };
+            let (out, _) = selfspec::decode::generate::generate_plain(&t.model, &[1, 2, 3], &params, &stop, &mut selfspec::decode::sampling::rng(0), &mut |_| Ok(()))
+                .map_err(|e| e.to_string())?;
+            n = out.len();
+        }
+        Ok(n)
     });
     let peak = PEAK.load(Ordering::Relaxed).saturating_sub(base);
     match r {
