@@ -72,3 +72,49 @@ fn the_gguf_and_safetensors_loaders_agree_in_every_format() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn llama3_rope_scaling_loads_from_both_formats_and_unknown_scalings_are_refused() {
+    use selfspec::model::RopeScaling;
+    let dir = scratch("loading-rope");
+    let mut cfg = fixtures::tiny_config();
+    // Head dimension 16, base 10^4: wavelengths 6 to 20k positions, so against an original
+    // context of 64 one frequency is kept, two are blended and five divided.
+    cfg.rope_scaling = Some(RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position: 64 });
+    let w = fixtures::random_weights(&cfg, 12).unwrap();
+    fixtures::write_gguf(&dir.join("m.gguf"), &cfg, &w).unwrap();
+    fixtures::write_hf(&dir.join("hf"), &cfg, &w).unwrap();
+    let a = Target::load(&dir.join("m.gguf"), &Device::Cpu).unwrap();
+    let b = Target::load(&dir.join("hf"), &Device::Cpu).unwrap();
+    assert!(matches!(a.model.config().rope_scaling, Some(RopeScaling::Divisors { .. })));
+    assert_eq!(b.model.config().rope_scaling, cfg.rope_scaling);
+    let toks: Vec<u32> = (0..120).map(|i| (i * 7 % 40 + 3) as u32).collect();
+    let (la, lb) = (last_logits(&a.model, &toks), last_logits(&b.model, &toks));
+    assert!(common::max_diff(&la, &lb) < 1e-3, "GGUF divisors and config.json llama3 disagree: {}", common::max_diff(&la, &lb));
+    // Without the scaling the same weights give other logits: it is not silently dropped.
+    let mut plain = cfg.clone();
+    plain.rope_scaling = None;
+    fixtures::write_gguf(&dir.join("plain.gguf"), &plain, &w).unwrap();
+    let c = Target::load(&dir.join("plain.gguf"), &Device::Cpu).unwrap();
+    assert!(common::max_diff(&la, &last_logits(&c.model, &toks)) > 1e-2);
+    // Scalings not implemented are refused, naming the type, in both formats.
+    let cfg_path = dir.join("hf/config.json");
+    let mut c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    c["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768});
+    std::fs::write(&cfg_path, c.to_string()).unwrap();
+    let e = Target::load(&dir.join("hf"), &Device::Cpu).err().unwrap().to_string();
+    assert!(e.contains("yarn") && e.contains("llama3"), "{e}");
+    let mut lin = cfg.clone();
+    lin.rope_scaling = Some(RopeScaling::Linear { factor: 2.0 });
+    fixtures::write_gguf(&dir.join("lin.gguf"), &lin, &w).unwrap();
+    let t = Target::load(&dir.join("lin.gguf"), &Device::Cpu).unwrap();
+    assert_eq!(t.model.config().rope_scaling, Some(RopeScaling::Linear { factor: 2.0 }));
+    let mut bytes = std::fs::read(dir.join("lin.gguf")).unwrap();
+    let at = bytes.windows(6).position(|x| x == b"linear").unwrap();
+    bytes[at..at + 6].copy_from_slice(b"yarn\0\0");
+    // The string's stored length stays 6: "yarn" plus two NULs is an unknown type all the same.
+    std::fs::write(dir.join("yarn.gguf"), &bytes).unwrap();
+    let e = Target::load(&dir.join("yarn.gguf"), &Device::Cpu).err().unwrap().to_string();
+    assert!(e.contains("rope scaling") && e.contains("yarn"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -8,7 +8,7 @@ use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 
 use crate::model::loader::{permute_qk, GGUF_LAYER_TENSORS};
-use crate::model::Config;
+use crate::model::{Config, RopeScaling};
 use crate::{Error, Result};
 
 /// GPT-2's reversible map from bytes to printable characters, used by byte-level BPE vocabularies.
@@ -63,6 +63,7 @@ pub fn tiny_config() -> Config {
         head_dim: 16,
         rms_norm_eps: 1e-5,
         rope_theta: 10000.0,
+        rope_scaling: None,
         max_position: 512,
         tie_embeddings: false,
         attention_bias: false,
@@ -165,11 +166,55 @@ pub fn write_gguf_as(path: &Path, cfg: &Config, weights: &HashMap<String, Tensor
             Ok((n, QTensor::quantize(&t, ty)?))
         })
         .collect::<Result<_>>()?;
+    let mut md = md;
+    let mut qs = qs;
+    match &cfg.rope_scaling {
+        None => {}
+        Some(RopeScaling::Linear { factor }) => {
+            md.push(("llama.rope.scaling.type", V::String("linear".into())));
+            md.push(("llama.rope.scaling.factor", V::F32(*factor as f32)));
+        }
+        // As llama.cpp's converter stores Llama 3.1's scaling: one divisor per frequency.
+        Some(RopeScaling::Llama3 { .. } | RopeScaling::Divisors { .. }) => {
+            let divisors = rope_divisors(cfg);
+            qs.push(("rope_freqs.weight".into(), QTensor::quantize(&Tensor::new(divisors.as_slice(), &Device::Cpu)?, GgmlDType::F32)?));
+        }
+    }
     let mdr: Vec<(&str, &V)> = md.iter().map(|(k, v)| (*k, v)).collect();
     let qr: Vec<(&str, &QTensor)> = qs.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let mut f = std::fs::File::create(path).map_err(|e| Error::io(path, e))?;
     gguf_file::write(&mut f, &mdr, &qr)?;
     Ok(())
+}
+
+/// The divisor of each rotary frequency under `cfg.rope_scaling`, computed the way llama.cpp's
+/// converter computes Llama 3.1's `rope_freqs.weight` (in f64, from the unscaled frequencies).
+pub fn rope_divisors(cfg: &Config) -> Vec<f32> {
+    let half = cfg.head_dim / 2;
+    let freqs: Vec<f64> = (0..half).map(|i| 1.0 / cfg.rope_theta.powf((2 * i) as f64 / cfg.head_dim as f64)).collect();
+    match &cfg.rope_scaling {
+        Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position }) => {
+            let old = *original_max_position as f64;
+            let (low_wavelen, high_wavelen) = (old / low_freq_factor, old / high_freq_factor);
+            freqs
+                .iter()
+                .map(|f| {
+                    let wavelen = 2.0 * std::f64::consts::PI / f;
+                    if wavelen < high_wavelen {
+                        1.0
+                    } else if wavelen > low_wavelen {
+                        *factor as f32
+                    } else {
+                        let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                        (1.0 / ((1.0 - smooth) / factor + smooth)) as f32
+                    }
+                })
+                .collect()
+        }
+        Some(RopeScaling::Linear { factor }) => vec![*factor as f32; half],
+        Some(RopeScaling::Divisors { divisors }) => divisors.clone(),
+        None => vec![1.0; half],
+    }
 }
 
 /// Write the same model as a Hugging Face directory (config.json, model.safetensors,
@@ -184,6 +229,16 @@ pub fn write_hf(dir: &Path, cfg: &Config, weights: &HashMap<String, Tensor>) -> 
         "tie_word_embeddings": cfg.tie_embeddings,
         "bos_token_id": cfg.vocab_size - 2, "eos_token_id": cfg.vocab_size - 1,
     });
+    let mut config = config;
+    config["rope_scaling"] = match &cfg.rope_scaling {
+        None => serde_json::Value::Null,
+        Some(RopeScaling::Linear { factor }) => serde_json::json!({"rope_type": "linear", "factor": factor}),
+        Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position }) => serde_json::json!({
+            "rope_type": "llama3", "factor": factor, "low_freq_factor": low_freq_factor,
+            "high_freq_factor": high_freq_factor, "original_max_position_embeddings": original_max_position,
+        }),
+        Some(RopeScaling::Divisors { .. }) => return Err(Error::InvalidArgument("config.json has no per-frequency divisors".into())),
+    };
     crate::files::write_atomic(&dir.join("config.json"), config.to_string().as_bytes())?;
     candle_core::safetensors::save(weights, dir.join("model.safetensors"))?;
     // The tokenizer JSON comes from the GGUF conversion path, so both formats tokenize alike.

@@ -32,12 +32,74 @@ pub struct Config {
     pub head_dim: usize,
     pub rms_norm_eps: f64,
     pub rope_theta: f64,
+    /// How rotary frequencies are stretched for long contexts (Llama 3.1+), if at all.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_scaling: Option<RopeScaling>,
     pub max_position: usize,
     pub tie_embeddings: bool,
     /// Qwen2 has biases on the q/k/v projections.
     pub attention_bias: bool,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
+}
+
+/// Rotary-embedding scaling, as models declare it (`rope_scaling` in config.json; `rope_freqs.weight`
+/// and `*.rope.scaling.*` in GGUF). Each stretches the per-dimension frequencies
+/// θ_i = base^(-2i/d) once; positions are unchanged. Types not listed here (yarn, dynamic,
+/// longrope) are refused at load: decoding without them would be silently wrong.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "lowercase")]
+pub enum RopeScaling {
+    /// Every frequency divided by `factor` (position interpolation).
+    Linear { factor: f64 },
+    /// Llama 3.1's: wavelengths longer than `original_max_position / low_freq_factor` are
+    /// divided by `factor`, those shorter than `original_max_position / high_freq_factor` kept,
+    /// and a smooth blend in between (transformers' `_compute_llama3_parameters`).
+    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position: usize },
+    /// Per-frequency divisors, one per dimension pair: what llama.cpp's converter stores in a
+    /// GGUF's `rope_freqs.weight` (Llama 3.1+).
+    Divisors { divisors: Vec<f32> },
+}
+
+impl RopeScaling {
+    /// Check the parameters against the head dimension `head_dim`.
+    pub fn validate(&self, head_dim: usize) -> std::result::Result<(), String> {
+        let ok = |x: f64| x.is_finite() && x > 0.0;
+        match self {
+            RopeScaling::Linear { factor } if !ok(*factor) => Err(format!("rope scaling factor {factor} must be positive")),
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position } => {
+                if !ok(*factor) || !ok(*low_freq_factor) || !ok(*high_freq_factor) || high_freq_factor <= low_freq_factor || *original_max_position == 0 {
+                    return Err(format!("llama3 rope scaling needs a positive factor ({factor}), 0 < low_freq_factor ({low_freq_factor}) < high_freq_factor ({high_freq_factor}) and an original context ({original_max_position})"));
+                }
+                Ok(())
+            }
+            RopeScaling::Divisors { divisors } if divisors.len() != head_dim / 2 || divisors.iter().any(|&d| !ok(d as f64)) => {
+                Err(format!("rope frequency divisors: {} values (want {}, all positive)", divisors.len(), head_dim / 2))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// `inv_freq` (θ_i, f32 as the references compute it) stretched.
+    pub fn apply(&self, inv_freq: &mut [f32]) {
+        match self {
+            RopeScaling::Linear { factor } => inv_freq.iter_mut().for_each(|f| *f /= *factor as f32),
+            RopeScaling::Divisors { divisors } => inv_freq.iter_mut().zip(divisors).for_each(|(f, d)| *f /= d),
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position } => {
+                let (factor, lo, hi, old) = (*factor as f32, *low_freq_factor as f32, *high_freq_factor as f32, *original_max_position as f32);
+                let (low_wavelen, high_wavelen) = (old / lo, old / hi);
+                for f in inv_freq.iter_mut() {
+                    let wavelen = 2.0 * std::f32::consts::PI / *f;
+                    if wavelen > low_wavelen {
+                        *f /= factor;
+                    } else if wavelen >= high_wavelen {
+                        let smooth = (old / wavelen - lo) / (hi - lo);
+                        *f = (1.0 - smooth) * *f / factor + smooth * *f;
+                    }
+                }
+            }
+        }
+    }
 }
 
 impl Config {
@@ -54,8 +116,11 @@ impl Config {
         if self.num_heads.checked_mul(self.head_dim).is_none() || self.hidden_size.checked_mul(self.intermediate_size.max(1)).is_none() {
             return Err(format!("sizes out of range: {} heads of {} dimensions, hidden {}, FFN {}", self.num_heads, self.head_dim, self.hidden_size, self.intermediate_size));
         }
-        // The rotary tables are built for the whole context at load (8 bytes per position and
-        // dimension pair); a context past this is refused rather than allocated.
+        if let Some(r) = &self.rope_scaling {
+            r.validate(self.head_dim)?;
+        }
+        // Positions travel as u32 and the KV cache grows up to the context: a context past
+        // this is refused rather than trusted.
         if self.max_position > MAX_CONTEXT {
             return Err(format!("a context of {} tokens; at most {MAX_CONTEXT} are supported", self.max_position));
         }
@@ -365,9 +430,12 @@ pub struct Llama {
 /// gives the same bits either way.
 pub(crate) fn rope_rows(cfg: &Config, positions: &[usize], device: &Device) -> Result<(Tensor, Tensor)> {
     let half = cfg.head_dim / 2;
-    let theta: Vec<f32> = (0..half)
+    let mut theta: Vec<f32> = (0..half)
         .map(|i| 1f32 / (cfg.rope_theta as f32).powf((2 * i) as f32 / cfg.head_dim as f32))
         .collect();
+    if let Some(r) = &cfg.rope_scaling {
+        r.apply(&mut theta);
+    }
     let mut cos = Vec::with_capacity(positions.len() * half);
     let mut sin = Vec::with_capacity(positions.len() * half);
     for &p in positions {
@@ -847,6 +915,68 @@ pub fn default_kv_dtype(device: &Device) -> DType {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    /// transformers' `_compute_llama3_parameters`, transcribed in f64: the reference.
+    fn hf_llama3(inv: &[f64], factor: f64, lo: f64, hi: f64, old: f64) -> Vec<f64> {
+        let (low_wavelen, high_wavelen) = (old / lo, old / hi);
+        inv.iter()
+            .map(|&f| {
+                let wavelen = 2.0 * std::f64::consts::PI / f;
+                let scaled = if wavelen > low_wavelen { f / factor } else { f };
+                let smooth = (old / wavelen - lo) / (hi - lo);
+                let medium = !(wavelen < high_wavelen) && !(wavelen > low_wavelen);
+                if medium { (1.0 - smooth) * scaled / factor + smooth * scaled } else { scaled }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn rope_scaling_matches_the_reference_formulas() {
+        // Llama 3.1's own parameters, over a 128-dimension head: all three regimes occur.
+        let mut cfg = crate::model::fixtures::tiny_config();
+        cfg.head_dim = 128;
+        cfg.rope_theta = 500000.0;
+        let plain: Vec<f32> = (0..64).map(|i| 1f32 / 500000f32.powf((2 * i) as f32 / 128.0)).collect();
+        let l3 = RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position: 8192 };
+        l3.validate(128).unwrap();
+        let mut got = plain.clone();
+        l3.apply(&mut got);
+        let want = hf_llama3(&plain.iter().map(|&x| x as f64).collect::<Vec<_>>(), 8.0, 1.0, 4.0, 8192.0);
+        let (mut kept, mut divided, mut blended) = (0, 0, 0);
+        for ((g, w), p) in got.iter().zip(&want).zip(&plain) {
+            assert!(((*g as f64) - w).abs() <= 1e-6 * w.abs(), "{g} vs {w}");
+            match *g / *p {
+                r if r == 1.0 => kept += 1,
+                r if (r - 0.125).abs() < 1e-7 => divided += 1,
+                _ => blended += 1,
+            }
+        }
+        assert!(kept > 0 && divided > 0 && blended > 0, "{kept} {divided} {blended}");
+        // The GGUF form (llama.cpp's per-frequency divisors) gives the same frequencies.
+        cfg.rope_scaling = Some(l3.clone());
+        let divisors = crate::model::fixtures::rope_divisors(&cfg);
+        let mut via = plain.clone();
+        RopeScaling::Divisors { divisors }.apply(&mut via);
+        for (a, b) in via.iter().zip(&got) {
+            assert!((a - b).abs() <= 1e-6 * b.abs(), "{a} vs {b}");
+        }
+        // Linear divides every frequency; the rope rows follow the scaled frequencies.
+        let mut lin = plain.clone();
+        RopeScaling::Linear { factor: 4.0 }.apply(&mut lin);
+        assert!(lin.iter().zip(&plain).all(|(a, b)| *a == b / 4.0));
+        cfg.rope_scaling = Some(RopeScaling::Linear { factor: 4.0 });
+        let (cos, _) = rope_rows(&cfg, &[8], &Device::Cpu).unwrap();
+        cfg.rope_scaling = None;
+        let (cos2, _) = rope_rows(&cfg, &[2], &Device::Cpu).unwrap();
+        let (a, b) = (cos.to_vec2::<f32>().unwrap(), cos2.to_vec2::<f32>().unwrap());
+        assert!(a[0].iter().zip(&b[0]).all(|(x, y)| (x - y).abs() < 1e-5), "position 8 at factor 4 is position 2");
+        // Bad parameters are refused.
+        assert!(RopeScaling::Linear { factor: 0.0 }.validate(128).is_err());
+        assert!(RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 4.0, high_freq_factor: 1.0, original_max_position: 8192 }.validate(128).is_err());
+        assert!(RopeScaling::Divisors { divisors: vec![1.0; 63] }.validate(128).is_err());
+        assert!(RopeScaling::Divisors { divisors: vec![f32::NAN; 64] }.validate(128).is_err());
+    }
     #[test]
     fn matmul_macs_count_every_weight_once() {
         // SmolLM2-135M: 134.5M parameters besides the norms (embeddings tied to the lm_head).
@@ -861,6 +991,7 @@ mod tests {
             head_dim: 64,
             rms_norm_eps: 1e-5,
             rope_theta: 1e5,
+            rope_scaling: None,
             max_position: 8192,
             tie_embeddings: true,
             attention_bias: false,

@@ -373,6 +373,7 @@ fn load_gguf(path: &Path, device: &Device, weights: WeightFormat) -> Result<Targ
         head_dim,
         rms_norm_eps: get_f("attention.layer_norm_rms_epsilon").unwrap_or(1e-5) as f64,
         rope_theta: get_f("rope.freq_base").unwrap_or(10000.0) as f64,
+        rope_scaling: gguf_rope_scaling(&file, &key, head_dim)?,
         max_position: ctx,
         tie_embeddings: tie,
         attention_bias: file.has("blk.0.attn_q.bias"),
@@ -414,6 +415,50 @@ fn load_gguf(path: &Path, device: &Device, weights: WeightFormat) -> Result<Targ
     let model = Llama::build(&src, &cfg, weights, device).map_err(|e| Error::bad_file(path, e.to_string()))?;
     let (chat_template, chat_template_error) = usable_template(md.get("tokenizer.chat_template").and_then(|v| v.to_string().ok()).cloned());
     Ok(Target { model, tokenizer, chat_template, chat_template_error, path: path.to_path_buf() })
+}
+
+/// A GGUF's rotary scaling: the per-frequency divisors of `rope_freqs.weight` (how llama.cpp's
+/// converter stores Llama 3.1's scaling), or `{arch}.rope.scaling.type` linear with its factor.
+/// Other declared types are refused: decoding without them would be silently wrong.
+fn gguf_rope_scaling(file: &GgufFile, key: &dyn Fn(&str) -> String, head_dim: usize) -> Result<Option<crate::model::RopeScaling>> {
+    let md = &file.content.metadata;
+    let kind = md.get(&key("rope.scaling.type")).and_then(|v| v.to_string().ok()).cloned();
+    let factor = md.get(&key("rope.scaling.factor")).and_then(|v| v.to_f32().ok());
+    if file.has("rope_freqs.weight") {
+        let e = file.extent("rope_freqs.weight")?;
+        if e.dims != [head_dim / 2] {
+            return Err(Error::bad_file(&file.path, format!("rope_freqs.weight has shape {:?}; the head dimension {head_dim} wants [{}]", e.dims, head_dim / 2)));
+        }
+        let divisors = file.dequantize("rope_freqs.weight")?.to_vec1::<f32>()?;
+        return Ok(Some(crate::model::RopeScaling::Divisors { divisors }));
+    }
+    match (kind.as_deref(), factor) {
+        (None | Some("none"), _) => Ok(None),
+        (Some("linear"), Some(f)) if f == 1.0 => Ok(None),
+        (Some("linear"), Some(f)) => Ok(Some(crate::model::RopeScaling::Linear { factor: f as f64 })),
+        (Some(t), _) => Err(Error::unsupported(&file.path, format!("rope scaling '{t}'{} (supported: linear, and llama3 through rope_freqs.weight)", factor.map(|f| format!(" with factor {f}")).unwrap_or_default()))),
+    }
+}
+
+/// config.json's `rope_scaling` (`type` or `rope_type`): linear and llama3 are supported, null
+/// and `default` mean none; anything else is refused.
+fn hf_rope_scaling(v: &serde_json::Value) -> std::result::Result<Option<crate::model::RopeScaling>, String> {
+    if v.is_null() {
+        return Ok(None);
+    }
+    let kind = v.get("rope_type").or_else(|| v.get("type")).and_then(|t| t.as_str()).unwrap_or("");
+    let num = |k: &str| v.get(k).and_then(|x| x.as_f64()).ok_or_else(|| format!("rope_scaling type '{kind}' lacks a numeric '{k}'"));
+    match kind {
+        "default" => Ok(None),
+        "linear" => Ok(Some(crate::model::RopeScaling::Linear { factor: num("factor")? })),
+        "llama3" => Ok(Some(crate::model::RopeScaling::Llama3 {
+            factor: num("factor")?,
+            low_freq_factor: num("low_freq_factor")?,
+            high_freq_factor: num("high_freq_factor")?,
+            original_max_position: num("original_max_position_embeddings")? as usize,
+        })),
+        other => Err(format!("rope scaling '{other}' (supported: linear, llama3)")),
+    }
 }
 
 /// Bytes the weights will take in memory under `weights` (the packed copies, plus the f32
@@ -494,6 +539,7 @@ fn load_hf(dir: &Path, device: &Device, weights: WeightFormat) -> Result<Target>
         head_dim: c["head_dim"].as_u64().map(|v| v as usize).unwrap_or(hidden / heads.max(1)),
         rms_norm_eps: c["rms_norm_eps"].as_f64().unwrap_or(1e-6),
         rope_theta: c["rope_theta"].as_f64().unwrap_or(10000.0),
+        rope_scaling: hf_rope_scaling(&c["rope_scaling"]).map_err(|m| Error::unsupported(&cfg_path, m))?,
         max_position: c["max_position_embeddings"].as_u64().map(|v| v as usize).unwrap_or(4096),
         tie_embeddings: c["tie_word_embeddings"].as_bool().unwrap_or(false),
         attention_bias: c["attention_bias"].as_bool().unwrap_or(architecture == "qwen2"),
