@@ -147,6 +147,8 @@ fn sharded_safetensors_and_qwen2_bias_load() {
     let mut c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(q.join("config.json")).unwrap()).unwrap();
     c["model_type"] = "qwen2".into();
     c["architectures"] = serde_json::json!(["Qwen2ForCausalLM"]);
+    // As in Qwen2's own config.json: no attention_bias key (the biases are in the weights).
+    c.as_object_mut().unwrap().remove("attention_bias");
     std::fs::write(q.join("config.json"), c.to_string()).unwrap();
     let tq = Target::load(&q, &Device::Cpu).unwrap();
     assert!(tq.model.config().attention_bias);

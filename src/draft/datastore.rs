@@ -119,7 +119,7 @@ impl Datastore {
             return None;
         }
         let (nt, ns) = (u64_at(8)?, u64_at(16)?);
-        if ns > nt || nt == 0 || (b.len() - 24) / 4 != nt.checked_add(ns)? || (b.len() - 24) % 4 != 0 {
+        if ns > nt || nt == 0 || (b.len() - 24) / 4 != nt.checked_add(ns)? || !(b.len() - 24).is_multiple_of(4) {
             return None;
         }
         let words: Vec<u32> = b[24..].chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();

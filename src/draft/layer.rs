@@ -102,6 +102,7 @@ impl DraftLayerConfig {
         layer.vocab_size = draft_vocab;
         layer.tie_embeddings = true;
         layer.attention_bias = false;
+        layer.qk_norm = false;
         Ok(DraftLayerConfig { layer, target: target.fingerprint()?, recipe: serde_json::Value::Null })
     }
 }

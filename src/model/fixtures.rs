@@ -67,6 +67,7 @@ pub fn tiny_config() -> Config {
         max_position: 512,
         tie_embeddings: false,
         attention_bias: false,
+        qk_norm: false,
         bos_token_id: None,
         eos_token_ids: vec![],
     }
@@ -109,6 +110,20 @@ pub fn random_weights(cfg: &Config, seed: u64) -> Result<HashMap<String, Tensor>
     if !cfg.tie_embeddings {
         w.insert("lm_head.weight".into(), rnd((v, d), s(d) * 4.0)?);
     }
+    // Drawn last, so the tensors above are the same for every family.
+    for i in 0..cfg.num_layers {
+        let p = format!("model.layers.{i}");
+        if cfg.attention_bias {
+            for (h, n) in [("q_proj", qd), ("k_proj", kd), ("v_proj", kd)] {
+                w.insert(format!("{p}.self_attn.{h}.bias"), rnd((1, n), 0.5)?.squeeze(0)?);
+            }
+        }
+        if cfg.qk_norm {
+            for h in ["q_norm", "k_norm"] {
+                w.insert(format!("{p}.self_attn.{h}.weight"), (rnd((1, cfg.head_dim), 0.2)?.squeeze(0)? + 1.0)?);
+            }
+        }
+    }
     Ok(w)
 }
 
@@ -123,25 +138,28 @@ pub fn write_gguf_as(path: &Path, cfg: &Config, weights: &HashMap<String, Tensor
     use gguf_file::Value as V;
     let (tokens, merges, types) = tiny_vocab();
     let strs = |v: &[String]| V::Array(v.iter().map(|s| V::String(s.clone())).collect());
-    let md: Vec<(&str, V)> = vec![
-        ("general.architecture", V::String("llama".into())),
-        ("llama.embedding_length", V::U32(cfg.hidden_size as u32)),
-        ("llama.feed_forward_length", V::U32(cfg.intermediate_size as u32)),
-        ("llama.block_count", V::U32(cfg.num_layers as u32)),
-        ("llama.attention.head_count", V::U32(cfg.num_heads as u32)),
-        ("llama.attention.head_count_kv", V::U32(cfg.num_kv_heads as u32)),
-        ("llama.attention.layer_norm_rms_epsilon", V::F32(cfg.rms_norm_eps as f32)),
-        ("llama.rope.freq_base", V::F32(cfg.rope_theta as f32)),
-        ("llama.rope.dimension_count", V::U32(cfg.head_dim as u32)),
-        ("llama.context_length", V::U32(cfg.max_position as u32)),
-        ("tokenizer.ggml.model", V::String("gpt2".into())),
-        ("tokenizer.ggml.pre", V::String("smollm".into())),
-        ("tokenizer.ggml.tokens", strs(&tokens)),
-        ("tokenizer.ggml.merges", strs(&merges)),
-        ("tokenizer.ggml.token_type", V::Array(types.iter().map(|&t| V::I32(t)).collect())),
-        ("tokenizer.ggml.eos_token_id", V::U32(tokens.len() as u32 - 1)),
-        ("tokenizer.ggml.bos_token_id", V::U32(tokens.len() as u32 - 2)),
-        ("tokenizer.chat_template", V::String(CHATML.into())),
+    let arch = cfg.architecture.as_str();
+    let key = |k: &str| format!("{arch}.{k}");
+    let md: Vec<(String, V)> = vec![
+        ("general.architecture".into(), V::String(arch.into())),
+        (key("embedding_length"), V::U32(cfg.hidden_size as u32)),
+        (key("feed_forward_length"), V::U32(cfg.intermediate_size as u32)),
+        (key("block_count"), V::U32(cfg.num_layers as u32)),
+        (key("attention.head_count"), V::U32(cfg.num_heads as u32)),
+        (key("attention.head_count_kv"), V::U32(cfg.num_kv_heads as u32)),
+        (key("attention.key_length"), V::U32(cfg.head_dim as u32)),
+        (key("attention.layer_norm_rms_epsilon"), V::F32(cfg.rms_norm_eps as f32)),
+        (key("rope.freq_base"), V::F32(cfg.rope_theta as f32)),
+        (key("rope.dimension_count"), V::U32(cfg.head_dim as u32)),
+        (key("context_length"), V::U32(cfg.max_position as u32)),
+        ("tokenizer.ggml.model".into(), V::String("gpt2".into())),
+        ("tokenizer.ggml.pre".into(), V::String("smollm".into())),
+        ("tokenizer.ggml.tokens".into(), strs(&tokens)),
+        ("tokenizer.ggml.merges".into(), strs(&merges)),
+        ("tokenizer.ggml.token_type".into(), V::Array(types.iter().map(|&t| V::I32(t)).collect())),
+        ("tokenizer.ggml.eos_token_id".into(), V::U32(tokens.len() as u32 - 1)),
+        ("tokenizer.ggml.bos_token_id".into(), V::U32(tokens.len() as u32 - 2)),
+        ("tokenizer.chat_template".into(), V::String(CHATML.into())),
     ];
     let mut named: Vec<(String, Tensor)> = Vec::new();
     let get = |n: &str| weights.get(n).cloned().ok_or_else(|| Error::InvalidArgument(format!("missing weight {n}")));
@@ -150,13 +168,25 @@ pub fn write_gguf_as(path: &Path, cfg: &Config, weights: &HashMap<String, Tensor
     if !cfg.tie_embeddings {
         named.push(("output.weight".into(), get("lm_head.weight")?));
     }
+    // llama.cpp's converter permutes q/k rows for Llama-architecture files only.
+    let permuted = !matches!(arch, "qwen2" | "qwen3");
     for i in 0..cfg.num_layers {
         let p = format!("model.layers.{i}");
         let b = format!("blk.{i}");
-        named.push((format!("{b}.attn_q.weight"), permute_qk(&get(&format!("{p}.self_attn.q_proj.weight"))?, cfg.num_heads)?));
-        named.push((format!("{b}.attn_k.weight"), permute_qk(&get(&format!("{p}.self_attn.k_proj.weight"))?, cfg.num_kv_heads)?));
+        let (q, k) = (get(&format!("{p}.self_attn.q_proj.weight"))?, get(&format!("{p}.self_attn.k_proj.weight"))?);
+        named.push((format!("{b}.attn_q.weight"), if permuted { permute_qk(&q, cfg.num_heads)? } else { q }));
+        named.push((format!("{b}.attn_k.weight"), if permuted { permute_qk(&k, cfg.num_kv_heads)? } else { k }));
         for (g, h) in GGUF_LAYER_TENSORS {
             named.push((format!("{b}.{g}"), get(&format!("{p}.{h}"))?));
+        }
+        if cfg.attention_bias {
+            for (g, h) in [("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj")] {
+                named.push((format!("{b}.{g}.bias"), get(&format!("{p}.self_attn.{h}.bias"))?));
+            }
+        }
+        if cfg.qk_norm {
+            named.push((format!("{b}.attn_q_norm.weight"), get(&format!("{p}.self_attn.q_norm.weight"))?));
+            named.push((format!("{b}.attn_k_norm.weight"), get(&format!("{p}.self_attn.k_norm.weight"))?));
         }
     }
     let qs: Vec<(String, QTensor)> = named
@@ -171,8 +201,8 @@ pub fn write_gguf_as(path: &Path, cfg: &Config, weights: &HashMap<String, Tensor
     match &cfg.rope_scaling {
         None => {}
         Some(RopeScaling::Linear { factor }) => {
-            md.push(("llama.rope.scaling.type", V::String("linear".into())));
-            md.push(("llama.rope.scaling.factor", V::F32(*factor as f32)));
+            md.push((key("rope.scaling.type"), V::String("linear".into())));
+            md.push((key("rope.scaling.factor"), V::F32(*factor as f32)));
         }
         // As llama.cpp's converter stores Llama 3.1's scaling: one divisor per frequency.
         Some(RopeScaling::Llama3 { .. } | RopeScaling::Divisors { .. }) => {
@@ -180,7 +210,7 @@ pub fn write_gguf_as(path: &Path, cfg: &Config, weights: &HashMap<String, Tensor
             qs.push(("rope_freqs.weight".into(), QTensor::quantize(&Tensor::new(divisors.as_slice(), &Device::Cpu)?, GgmlDType::F32)?));
         }
     }
-    let mdr: Vec<(&str, &V)> = md.iter().map(|(k, v)| (*k, v)).collect();
+    let mdr: Vec<(&str, &V)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let qr: Vec<(&str, &QTensor)> = qs.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let mut f = std::fs::File::create(path).map_err(|e| Error::io(path, e))?;
     gguf_file::write(&mut f, &mdr, &qr)?;
@@ -221,8 +251,14 @@ pub fn rope_divisors(cfg: &Config) -> Vec<f32> {
 /// tokenizer.json built from the tiny vocabulary, tokenizer_config.json with the chat template).
 pub fn write_hf(dir: &Path, cfg: &Config, weights: &HashMap<String, Tensor>) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let class = match cfg.architecture.as_str() {
+        "qwen2" => "Qwen2ForCausalLM",
+        "qwen3" => "Qwen3ForCausalLM",
+        "mistral" => "MistralForCausalLM",
+        _ => "LlamaForCausalLM",
+    };
     let config = serde_json::json!({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "architectures": [class], "model_type": cfg.architecture, "head_dim": cfg.head_dim, "attention_bias": cfg.attention_bias,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
         "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_position,
@@ -241,9 +277,16 @@ pub fn write_hf(dir: &Path, cfg: &Config, weights: &HashMap<String, Tensor>) -> 
     };
     crate::files::write_atomic(&dir.join("config.json"), config.to_string().as_bytes())?;
     candle_core::safetensors::save(weights, dir.join("model.safetensors"))?;
-    // The tokenizer JSON comes from the GGUF conversion path, so both formats tokenize alike.
+    write_hf_tokenizer(dir)
+}
+
+/// The tiny tokenizer as `tokenizer.json` and `tokenizer_config.json` in `dir` (for checkpoints
+/// written elsewhere, such as the transformers reference fixtures). The JSON comes from the GGUF
+/// conversion path, so both formats tokenize alike.
+pub fn write_hf_tokenizer(dir: &Path) -> Result<()> {
     let tmp = dir.join("tokenizer-source.gguf");
-    write_gguf(&tmp, cfg, weights)?;
+    let cfg = tiny_config();
+    write_gguf(&tmp, &cfg, &random_weights(&cfg, 0)?)?;
     let target = crate::model::loader::Target::load(&tmp, &Device::Cpu)?;
     std::fs::remove_file(&tmp).map_err(|e| Error::io(&tmp, e))?;
     crate::files::write_atomic(&dir.join("tokenizer.json"), target.tokenizer.to_json().as_bytes())?;
@@ -255,6 +298,26 @@ pub fn write_hf(dir: &Path, cfg: &Config, weights: &HashMap<String, Tensor>) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The GGUF form of Llama 3.1's scaling (llama.cpp's per-frequency divisors, as written here)
+    /// gives the frequencies transformers' formula gives.
+    #[test]
+    fn rope_divisors_match_the_llama3_formula() {
+        let mut cfg = tiny_config();
+        cfg.head_dim = 128;
+        cfg.rope_theta = 500000.0;
+        let l3 = RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position: 8192 };
+        cfg.rope_scaling = Some(l3.clone());
+        let plain: Vec<f32> = (0..64).map(|i| 1f32 / 500000f32.powf((2 * i) as f32 / 128.0)).collect();
+        let (mut direct, mut via) = (plain.clone(), plain);
+        l3.apply(&mut direct);
+        RopeScaling::Divisors { divisors: rope_divisors(&cfg) }.apply(&mut via);
+        for (a, b) in via.iter().zip(&direct) {
+            assert!((a - b).abs() <= 1e-6 * b.abs(), "{a} vs {b}");
+        }
+        cfg.rope_scaling = None;
+        assert_eq!(rope_divisors(&cfg), vec![1.0; 64]);
+    }
 
     /// A chat template that does not parse leaves the model usable for plain prompts; only what
     /// needs the template fails, naming the file and what to do.

@@ -177,7 +177,7 @@ impl RawRows {
 fn dequantize(dtype: GgmlDType, bytes: &[u8], dims: Vec<usize>) -> candle_core::Result<Tensor> {
     let elems: usize = dims.iter().product();
     // candle reinterprets the bytes as blocks without checking their length: check it here.
-    if elems % dtype.block_size() != 0 || bytes.len() != elems / dtype.block_size() * dtype.type_size() {
+    if !elems.is_multiple_of(dtype.block_size()) || bytes.len() != elems / dtype.block_size() * dtype.type_size() {
         candle_core::bail!("{} bytes do not hold {dims:?} values of {dtype:?}", bytes.len())
     }
     ggml_file::qtensor_from_ggml(dtype, bytes, dims, &Device::Cpu)?.dequantize(&Device::Cpu)

@@ -221,6 +221,11 @@ fn check_tensor_shapes(ct: &gguf_file::Content, cfg: &Config, path: &Path) -> Re
                 check(&b(n), &[shape])?;
             }
         }
+        if cfg.qk_norm {
+            for n in ["attn_q_norm.weight", "attn_k_norm.weight"] {
+                check(&b(n), &[cfg.head_dim])?;
+            }
+        }
     }
     Ok(())
 }
@@ -337,8 +342,8 @@ fn load_gguf(path: &Path, device: &Device, weights: WeightFormat) -> Result<Targ
         .and_then(|v| v.to_string().ok())
         .cloned()
         .ok_or_else(|| Error::bad_file(path, "no general.architecture in the GGUF metadata"))?;
-    if !matches!(arch.as_str(), "llama" | "mistral" | "qwen2") {
-        return Err(Error::unsupported(path, format!("architecture '{arch}' (supported: llama, mistral, qwen2)")));
+    if !matches!(arch.as_str(), "llama" | "mistral" | "qwen2" | "qwen3") {
+        return Err(Error::unsupported(path, format!("architecture '{arch}' (supported: llama, mistral, qwen2, qwen3)")));
     }
     let key = |k: &str| format!("{arch}.{k}");
     let get_u = |k: &str| -> Result<usize> {
@@ -377,6 +382,7 @@ fn load_gguf(path: &Path, device: &Device, weights: WeightFormat) -> Result<Targ
         max_position: ctx,
         tie_embeddings: tie,
         attention_bias: file.has("blk.0.attn_q.bias"),
+        qk_norm: file.has("blk.0.attn_q_norm.weight"),
         bos_token_id: tokenizer.bos_id,
         eos_token_ids: tokenizer.eos_ids.clone(),
     };
@@ -392,8 +398,8 @@ fn load_gguf(path: &Path, device: &Device, weights: WeightFormat) -> Result<Targ
             }
         }
     }
-    // Only llama-arch GGUFs are permuted by the converter; qwen2 keeps the NeoX layout.
-    let permuted = arch != "qwen2";
+    // Only llama-arch GGUFs are permuted by the converter; Qwen keeps the NeoX layout.
+    let permuted = !matches!(arch.as_str(), "qwen2" | "qwen3");
     let mut names: HashMap<String, (String, Option<usize>)> = HashMap::new();
     names.insert("model.embed_tokens.weight".into(), ("token_embd.weight".into(), None));
     names.insert("model.norm.weight".into(), ("output_norm.weight".into(), None));
@@ -410,6 +416,8 @@ fn load_gguf(path: &Path, device: &Device, weights: WeightFormat) -> Result<Targ
         for (g, h) in GGUF_LAYER_TENSORS {
             names.insert(format!("{p}.{h}"), (format!("{b}.{g}"), None));
         }
+        names.insert(format!("{p}.self_attn.q_norm.weight"), (format!("{b}.attn_q_norm.weight"), None));
+        names.insert(format!("{p}.self_attn.k_norm.weight"), (format!("{b}.attn_k_norm.weight"), None));
     }
     let src = GgufSource { file: &file, names, head_dim };
     let model = Llama::build(&src, &cfg, weights, device).map_err(|e| Error::bad_file(path, e.to_string()))?;
@@ -434,7 +442,7 @@ fn gguf_rope_scaling(file: &GgufFile, key: &dyn Fn(&str) -> String, head_dim: us
     }
     match (kind.as_deref(), factor) {
         (None | Some("none"), _) => Ok(None),
-        (Some("linear"), Some(f)) if f == 1.0 => Ok(None),
+        (Some("linear"), Some(1.0)) => Ok(None),
         (Some("linear"), Some(f)) => Ok(Some(crate::model::RopeScaling::Linear { factor: f as f64 })),
         (Some(t), _) => Err(Error::unsupported(&file.path, format!("rope scaling '{t}'{} (supported: linear, and llama3 through rope_freqs.weight)", factor.map(|f| format!(" with factor {f}")).unwrap_or_default()))),
     }
@@ -450,6 +458,7 @@ fn hf_rope_scaling(v: &serde_json::Value) -> std::result::Result<Option<crate::m
     let num = |k: &str| v.get(k).and_then(|x| x.as_f64()).ok_or_else(|| format!("rope_scaling type '{kind}' lacks a numeric '{k}'"));
     match kind {
         "default" => Ok(None),
+        "" if v.get("factor").is_none() => Ok(None),
         "linear" => Ok(Some(crate::model::RopeScaling::Linear { factor: num("factor")? })),
         "llama3" => Ok(Some(crate::model::RopeScaling::Llama3 {
             factor: num("factor")?,
@@ -509,13 +518,17 @@ fn load_hf(dir: &Path, device: &Device, weights: WeightFormat) -> Result<Target>
         ("llama", _) | (_, "LlamaForCausalLM") => "llama",
         ("mistral", _) | (_, "MistralForCausalLM") => "mistral",
         ("qwen2", _) | (_, "Qwen2ForCausalLM") => "qwen2",
+        ("qwen3", _) | (_, "Qwen3ForCausalLM") => "qwen3",
         _ => {
             return Err(Error::unsupported(
                 &cfg_path,
-                format!("architecture '{}' (supported: llama, mistral, qwen2)", if arch_name.is_empty() { model_type } else { arch_name }),
+                format!("architecture '{}' (supported: llama, mistral, qwen2, qwen3)", if arch_name.is_empty() { model_type } else { arch_name }),
             ))
         }
     };
+    if c["use_sliding_window"].as_bool() == Some(true) {
+        return Err(Error::unsupported(&cfg_path, "sliding-window attention (use_sliding_window: true)"));
+    }
     let u = |k: &str| -> Result<usize> {
         c[k].as_u64().map(|v| v as usize).ok_or_else(|| Error::bad_file(&cfg_path, format!("missing or non-integer '{k}'")))
     };
@@ -538,11 +551,14 @@ fn load_hf(dir: &Path, device: &Device, weights: WeightFormat) -> Result<Target>
         num_kv_heads: c["num_key_value_heads"].as_u64().map(|v| v as usize).unwrap_or(heads),
         head_dim: c["head_dim"].as_u64().map(|v| v as usize).unwrap_or(hidden / heads.max(1)),
         rms_norm_eps: c["rms_norm_eps"].as_f64().unwrap_or(1e-6),
-        rope_theta: c["rope_theta"].as_f64().unwrap_or(10000.0),
-        rope_scaling: hf_rope_scaling(&c["rope_scaling"]).map_err(|m| Error::unsupported(&cfg_path, m))?,
+        // transformers 5 writes `rope_parameters` (theta inside, type `default` when unscaled);
+        // earlier versions `rope_theta` and `rope_scaling`.
+        rope_theta: c["rope_theta"].as_f64().or_else(|| c["rope_parameters"]["rope_theta"].as_f64()).unwrap_or(10000.0),
+        rope_scaling: hf_rope_scaling(if c["rope_scaling"].is_null() { &c["rope_parameters"] } else { &c["rope_scaling"] }).map_err(|m| Error::unsupported(&cfg_path, m))?,
         max_position: c["max_position_embeddings"].as_u64().map(|v| v as usize).unwrap_or(4096),
         tie_embeddings: c["tie_word_embeddings"].as_bool().unwrap_or(false),
-        attention_bias: c["attention_bias"].as_bool().unwrap_or(architecture == "qwen2"),
+        attention_bias: c["attention_bias"].as_bool().unwrap_or(false),
+        qk_norm: architecture == "qwen3",
         bos_token_id: ids(&c["bos_token_id"]).first().copied(),
         eos_token_ids: ids(&c["eos_token_id"]),
     };
@@ -575,6 +591,11 @@ fn load_hf(dir: &Path, device: &Device, weights: WeightFormat) -> Result<Target>
     if !vb.contains_tensor("lm_head.weight") {
         cfg.tie_embeddings = true;
     }
+    // Qwen2's config.json does not say it has q/k/v biases (its code always adds them): where
+    // the config is silent, the weights decide.
+    if c["attention_bias"].is_null() {
+        cfg.attention_bias = vb.contains_tensor("model.layers.0.self_attn.q_proj.bias");
+    }
 
     let tok_path = dir.join("tokenizer.json");
     if !tok_path.exists() {
@@ -584,7 +605,7 @@ fn load_hf(dir: &Path, device: &Device, weights: WeightFormat) -> Result<Target>
     let tc = if tc_path.exists() { read_json(&tc_path)? } else { serde_json::Value::Null };
     let bos = token_str(tc.get("bos_token"));
     let mut eos: Vec<String> = token_str(tc.get("eos_token")).into_iter().collect();
-    let add_bos = tc.get("add_bos_token").and_then(|v| v.as_bool()).unwrap_or(architecture != "qwen2" && bos.is_some());
+    let add_bos = tc.get("add_bos_token").and_then(|v| v.as_bool()).unwrap_or(!matches!(architecture, "qwen2" | "qwen3") && bos.is_some());
     let mut tokenizer = Tokenizer::from_hf_file(&tok_path, bos, std::mem::take(&mut eos), add_bos)?;
     for id in &cfg.eos_token_ids {
         if !tokenizer.eos_ids.contains(id) {
