@@ -272,3 +272,24 @@ fn greedy_speculation_with_the_committed_draft_layer_is_exact() {
     assert!(copied > 0, "the context lookup never contributed an accepted token");
     assert!(copied_ds > copied_ctx, "the datastore added no accepted copied token ({copied_ds} vs {copied_ctx} from the context alone)");
 }
+
+#[test]
+fn a_draft_layer_without_its_f32_weights_drafts_the_same() {
+    let t = selfspec::model::loader::Target::load_with(&common::smollm2_path(), &candle_core::Device::Cpu, selfspec::cpu::quant::WeightFormat::Native).unwrap();
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/drafters/smollm2-layer");
+    let kept = Drafter::from_dir(&dir, &t).unwrap();
+    let mut released = Drafter::from_dir(&dir, &t).unwrap();
+    released.release_f32_weights();
+    let ids = t.encode_prompt("Write a short poem about the sea.", true).unwrap();
+    let params = SamplingParams::greedy();
+    let opts = SpecOptions { tree: TreeChoice::Static(Tree::cpu_default()), lookup: None, datastore: None, rule: Rule::Greedy, params, stop: StopRule { max_new_tokens: 48, eos_ids: &t.tokenizer.eos_ids } };
+    let (a, sa) = generate_spec(&t.model, &kept, &ids, &opts, &mut rng(0), &mut |_| Ok(())).unwrap();
+    let (b, sb) = generate_spec(&t.model, &released, &ids, &opts, &mut rng(0), &mut |_| Ok(())).unwrap();
+    assert_eq!(a, b);
+    // The same drafts: the same number of forwards for the same text.
+    assert_eq!(sa.gen.target_forwards, sb.gen.target_forwards);
+    let Drafter::Layer(l) = &mut released else { panic!("a draft layer") };
+    assert!(l.weights().is_err(), "the f32 weights are gone and say so");
+    assert!(l.set_format(selfspec::cpu::quant::WeightFormat::Q8_0).is_err());
+    assert!(l.save_as(&common::scratch("released-layer"), selfspec::draft::layer::StoreFormat::F32).is_err());
+}

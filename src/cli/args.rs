@@ -128,10 +128,12 @@ impl DrafterArgs {
     pub fn load(&self, target: &Target) -> Result<Option<Drafter>> {
         Ok(match &self.drafter {
             Some(dir) => {
-                let (d, note) = Drafter::from_dir_noted(dir, target, self.draft_weights)?;
+                let (mut d, note) = Drafter::from_dir_noted(dir, target, self.draft_weights)?;
                 if let Some(n) = note {
                     eprintln!("note: {n}");
                 }
+                // Loaded to draft: its f32 weights are not read again.
+                d.release_f32_weights();
                 Some(d)
             }
             None => None,

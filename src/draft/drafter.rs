@@ -67,6 +67,14 @@ impl Drafter {
         Ok((d, note))
     }
 
+    /// Keep only the packed copies it drafts with (see [`DraftLayer::release_f32_weights`]); for
+    /// a drafter loaded to draft, not to train, save or export. Heads keep theirs (a few MB).
+    pub fn release_f32_weights(&mut self) {
+        if let Drafter::Layer(l) = self {
+            l.release_f32_weights();
+        }
+    }
+
     /// How many levels below the root it can fill.
     pub fn max_depth(&self) -> usize {
         match self {

@@ -138,6 +138,8 @@ pub struct DraftLayer {
     /// Token id of each draft-vocabulary slot, ascending.
     ids: Vec<u32>,
     tensors: HashMap<String, Tensor>,
+    /// The f32 weights were dropped ([`DraftLayer::release_f32_weights`]).
+    released: bool,
 }
 
 impl DraftLayer {
@@ -175,7 +177,7 @@ impl DraftLayer {
         let fc = Linear::new_packed(map["fc.weight"].clone(), Some(map["fc.bias"].clone()))?;
         let llama = Llama::load(VarBuilder::from_tensors(map.clone(), DType::F32, &device), &cfg.layer)?;
         let tensors = tensor_names(&cfg.layer).into_iter().map(|(n, _)| (n.clone(), map[&n].clone())).collect();
-        Ok(DraftLayer { cfg, fc, llama, ids, tensors })
+        Ok(DraftLayer { cfg, fc, llama, ids, tensors, released: false })
     }
 
     /// Load `draft.json` + `draft.safetensors` from `dir` for `target`, refusing a layer
@@ -209,6 +211,7 @@ impl DraftLayer {
     /// Write `draft.safetensors` (weights stored as `store` says) and `draft.json` into `dir`,
     /// each atomically.
     pub fn save_as(&self, dir: &Path, store: StoreFormat) -> Result<()> {
+        self.weights()?;
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
         let mut ts: HashMap<String, Tensor> = HashMap::new();
         for (n, t) in &self.tensors {
@@ -244,6 +247,7 @@ impl DraftLayer {
     /// 0.2 ms of a 2.3 ms native step; 4-bit blocks cut drafting and the drafter's commit by a
     /// fifth to a third with τ within 0.03 (12 bundled prompts, native and f32 targets).
     pub fn set_format(&mut self, format: WeightFormat) -> Result<()> {
+        self.weights()?;
         if format != WeightFormat::Native || !self.fc.weight()?.device().is_cpu() {
             // Off the CPU the formats fall back to candle's f32, as for the target.
             let format = if format == WeightFormat::Native { WeightFormat::Q8_0 } else { format };
@@ -272,9 +276,30 @@ impl DraftLayer {
     pub fn config(&self) -> &DraftLayerConfig {
         &self.cfg
     }
-    /// The trained tensors by name (f32), e.g. to continue training from them.
-    pub fn weights(&self) -> &HashMap<String, Tensor> {
-        &self.tensors
+    /// The trained tensors by name (f32), e.g. to continue training from them; an error after
+    /// [`DraftLayer::release_f32_weights`].
+    pub fn weights(&self) -> Result<&HashMap<String, Tensor>> {
+        if self.released {
+            return Err(Error::InvalidArgument("this draft layer kept only its packed weights (it was loaded for drafting); load it again to train from or save it".into()));
+        }
+        Ok(&self.tensors)
+    }
+
+    /// Keep only the packed copies the layer drafts with: its f32 weights (by parameter count
+    /// 17 MB for SmolLM2's layer, about 1 GB for an 8B model's) are read only to re-pack, save
+    /// or train. Afterwards those refuse. A no-op in f32 or off the CPU. The draft vocabulary's
+    /// f32 rows stay: they are the tied embedding table the lm_head shares.
+    pub fn release_f32_weights(&mut self) {
+        let f32_or_gpu = self.llama.weight_format() == WeightFormat::F32 || !self.llama.device().is_cpu();
+        if f32_or_gpu {
+            return;
+        }
+        self.llama.release_f32_weights();
+        if self.fc.format_name().is_some() {
+            self.fc = Linear::packed_only_from(&self.fc);
+        }
+        self.tensors.clear();
+        self.released = true;
     }
     pub fn draft_vocab(&self) -> &[u32] {
         &self.ids

@@ -176,6 +176,10 @@ impl Linear {
         let bias = if bias { Some(vb.get(out_dim, "bias")?) } else { None };
         Self::new_packed(weight, bias)
     }
+    /// The same layer without its f32 weight (its fast copy shared, not copied).
+    pub fn packed_only_from(l: &Linear) -> Self {
+        Linear { weight: if l.fast.is_some() { None } else { l.weight.clone() }, bias: l.bias.clone(), fast: l.fast.clone() }
+    }
     /// The f32 weight `[out, in]`, or an error for a layer loaded without one.
     pub fn weight(&self) -> Result<&Tensor> {
         self.weight.as_ref().ok_or_else(|| Error::InvalidArgument(format!("this layer was loaded in the {} format without an f32 copy of its weight; load with --weights f32 for this", self.format_name().unwrap_or("packed"))))
@@ -623,6 +627,43 @@ impl Llama {
         self.format = format;
         Ok(())
     }
+    /// Drop the f32 weights of every projection that has a CPU fast copy, keeping only that copy
+    /// (a model built by [`Llama::load`] in f32 and then re-packed holds both). For drafters,
+    /// which are re-packed from f32 at load: their f32 weights are no longer read once they
+    /// draft in a compact format. Afterwards [`Llama::set_weights`] refuses (nothing to re-pack
+    /// from). Off the CPU, or in f32, nothing is dropped: candle's kernels read the f32 weights.
+    pub fn release_f32_weights(&mut self) {
+        if !self.device.is_cpu() || self.format == WeightFormat::F32 {
+            return;
+        }
+        let release = |l: &mut Linear, fused: bool| {
+            if fused || l.fast.is_some() {
+                l.weight = None;
+            }
+        };
+        for b in &mut self.blocks {
+            let qkv = b.attn.qkv.is_some();
+            for l in [&mut b.attn.q, &mut b.attn.k, &mut b.attn.v] {
+                release(l, qkv);
+            }
+            let gate_up = b.mlp.gate_up.is_some();
+            for l in [&mut b.mlp.gate, &mut b.mlp.up] {
+                release(l, gate_up);
+            }
+            release(&mut b.attn.o, false);
+            release(&mut b.mlp.down, false);
+            for f in [&mut b.attn.qkv, &mut b.mlp.gate_up].into_iter().flatten() {
+                f.only = true;
+            }
+        }
+        // The lm_head's rows stay readable where they are the embedding's (a tied head): the
+        // table is shared, so dropping the head's reference frees nothing.
+        if !self.cfg.tie_embeddings || matches!(self.embed, TokenEmbedding::Rows(_)) {
+            release(&mut self.lm_head, false);
+        }
+        self.has_f32 = false;
+    }
+
     /// The CPU fast path's weight format.
     pub fn weight_format(&self) -> WeightFormat {
         self.format

@@ -137,7 +137,7 @@ pub fn held_out_layer_accuracy(target: &Target, docs: &[Document], cfg: &TrainCo
     let ids = from.draft_vocab().to_vec();
     let varmap = VarMap::new();
     let layer = TrainLayer::init(&varmap, DraftLayerConfig::for_target(target, ids.len())?, &ids, &target.model, cfg.seed)?;
-    crate::train::warm_start(&varmap, from.weights(), dir)?;
+    crate::train::warm_start(&varmap, from.weights()?, dir)?;
     validate_layer(&layer, &ids, target, &val_set)
 }
 
@@ -172,7 +172,7 @@ pub fn train_layer(
     let varmap = VarMap::new();
     let layer = TrainLayer::init(&varmap, lcfg.clone(), &ids, &target.model, cfg.seed)?;
     if let (Some(l), Some(dir)) = (&init, &cfg.init) {
-        crate::train::warm_start(&varmap, l.weights(), dir)?;
+        crate::train::warm_start(&varmap, l.weights()?, dir)?;
         log(format!("starting from the draft layer in {}", dir.display()));
     }
     let mut opt = AdamW::new(&varmap, cfg.weight_decay)?;
