@@ -83,7 +83,12 @@ impl Datastore {
         let Some(dir) = dir else { return Self::from_inputs(target, inputs) };
         let files = crate::data::manifest::datastore_files(inputs)?;
         let mut parts: Vec<Vec<u8>> = vec![target.tokenizer.to_json().into_bytes(), target.chat_template.as_ref().map(|t| t.source().as_bytes().to_vec()).unwrap_or_default(), format!("{SORT_DEPTH}").into_bytes()];
+        // Everything else that decides the indexed ids: BOS/EOS conventions, how each file is
+        // read (its extension picks text or conversations), and this program's version.
+        let t = &target.tokenizer;
+        parts.push(format!("{:?} {:?} {} {:?} {:?} {}", t.bos_id, t.eos_ids, t.add_bos, t.bos_token, t.eos_token, env!("CARGO_PKG_VERSION")).into_bytes());
         for f in &files {
+            parts.push(f.extension().map(|e| e.to_string_lossy().into_owned()).unwrap_or_default().into_bytes());
             parts.push(crate::files::read_data(f)?);
         }
         let key = crate::files::cache_key(&parts.iter().map(|p| p.as_slice()).collect::<Vec<_>>());

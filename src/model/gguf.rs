@@ -59,6 +59,10 @@ impl GgufFile {
         // the file's size. As with llama.cpp's and candle's own memory maps, the file must not
         // be truncated or rewritten while the model is loaded.
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+        if (map.len() as u64) < file_size {
+            // The file shrank between the size check and the map: the checked extents no longer hold.
+            return Err(Error::bad_file(path, format!("changed while opening: {file_size} bytes, then {}", map.len())));
+        }
         Ok(GgufFile { path: path.to_path_buf(), content, file, map: Arc::new(map) })
     }
 
@@ -116,7 +120,7 @@ impl GgufFile {
     /// count in the process's memory beside the packed copy (an 8B model's 4.5 GB twice).
     pub fn release(&self, name: &str) {
         #[cfg(unix)]
-        if let Ok(e) = self.extent(name) {
+        if let Some(e) = self.extent(name).ok().filter(|e| e.offset.checked_add(e.len).is_some_and(|end| end <= self.map.len())) {
             // SAFETY: the map is a read-only file mapping that nothing writes, so pages dropped
             // here read back with the same bytes; anything borrowing them sees no change.
             let _ = unsafe { self.map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, e.offset, e.len) };

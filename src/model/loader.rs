@@ -437,6 +437,11 @@ fn gguf_rope_scaling(file: &GgufFile, key: &dyn Fn(&str) -> String, head_dim: us
         if e.dims != [head_dim / 2] {
             return Err(Error::bad_file(&file.path, format!("rope_freqs.weight has shape {:?}; the head dimension {head_dim} wants [{}]", e.dims, head_dim / 2)));
         }
+        if let Some(t) = kind.as_deref().filter(|t| !matches!(*t, "none" | "llama3")) {
+            // Two scalings at once would be applied one on top of the other by some readers and
+            // not by others: refuse rather than guess which the file meant.
+            return Err(Error::unsupported(&file.path, format!("rope_freqs.weight together with rope scaling '{t}' (a file carries one or the other)")));
+        }
         let divisors = file.dequantize("rope_freqs.weight")?.to_vec1::<f32>()?;
         return Ok(Some(crate::model::RopeScaling::Divisors { divisors }));
     }
