@@ -188,6 +188,35 @@ fn speculative_sampling_matches_the_target_distribution() {
     }
 }
 
+/// The sibling rule is realised by the draw plain sampling makes, so a seed gives plain
+/// sampling's very tokens whatever tree was drafted (what lets a server size trees by load).
+#[test]
+fn seeded_speculative_sampling_emits_plain_samplings_tokens() {
+    let (model, heads) = tiny16();
+    let prompt = [3u32, 7, 1, 3];
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+    let lookup = Lookup { max_tokens: 3, min_match: 1, max_match: 2 };
+    pool.install(|| {
+        for params in [
+            SamplingParams { temperature: 1.0, ..Default::default() },
+            SamplingParams { temperature: 0.7, top_p: 0.9, frequency_penalty: 0.3, ..Default::default() },
+        ] {
+            let stop = StopRule { max_new_tokens: 12, eos_ids: &[] };
+            let mut drafted = 0;
+            for seed in 0..200u64 {
+                let (plain, _) = generate_plain(&model, &prompt, &params, &stop, &mut rng(seed), &mut |_| Ok(())).unwrap();
+                for (tree, lk) in [(test_tree(), None), (auto_tree(6), Some(lookup)), (TreeChoice::Static(Tree::chain(2)), None)] {
+                    let opts = SpecOptions { tree, lookup: lk, datastore: None, rule: Rule::Sample, params: params.clone(), stop: StopRule { max_new_tokens: 12, eos_ids: &[] } };
+                    let (spec, stats) = generate_spec(&model, &heads, &prompt, &opts, &mut rng(seed), &mut |_| Ok(())).unwrap();
+                    assert_eq!(spec, plain, "seed {seed}, {params:?}");
+                    drafted += stats.drafted.iter().filter(|&&d| d).count();
+                }
+            }
+            assert!(drafted > 100, "the trees were hardly ever accepted ({drafted} tokens): the test shows nothing");
+        }
+    });
+}
+
 fn committed_heads() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/drafters/smollm2-heads")
 }

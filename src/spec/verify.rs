@@ -3,11 +3,22 @@
 //! Greedy: walk from the root, following the child that carries the target's argmax; the first
 //! node without such a child emits the target's own token. Output equals plain greedy decoding.
 //!
-//! Sampling (children are the heads' deterministic top-k, tried in a fixed order): accept child x
-//! with probability R(x), else set R(x) = 0 and renormalise; if no child is accepted, draw from R.
-//! Child x is then emitted with probability P(x) and any other token y with P(y): the output is
-//! distributed exactly as plain sampling. P at each node is computed by the same
-//! [`SamplingParams::distribution`] plain decoding uses, with that node's own path as history.
+//! Sampling (children are the drafter's deterministic guesses): the sibling rule. At a node with
+//! target distribution R, child x1 is accepted with probability R(x1); if not, R(x1) is zeroed,
+//! R renormalised and the next child tried the same way; if none is accepted, the token is
+//! drawn from what is left of R. Each child x is then emitted with probability P(x) and any
+//! other token y with P(y): the output is distributed exactly as plain sampling.
+//!
+//! The rule's coins are realised by one inverse-CDF draw y from R per emitted position, the
+//! draw plain decoding makes: "x1 accepted" is the event y = x1 (probability R(x1)); given
+//! y != x1, y is distributed as the renormalised R without x1, so "x2 accepted" is y = x2 with
+//! the rule's conditional probability; and given y is no child, y is a draw from the residual.
+//! Realised this way, a seed gives the very tokens plain sampling gives with that seed, whatever
+//! tree was drafted, whichever other sequences shared the forward. That is what lets a server
+//! size trees by load and still return each request's seeded output unchanged.
+//!
+//! P at each node is computed by the same [`SamplingParams::distribution`] plain decoding uses,
+//! with that node's own path as history.
 use rand::Rng;
 
 use crate::decode::sampling::{sample_from, Rng64, SamplingParams};
@@ -22,7 +33,8 @@ pub enum Rule {
     /// Medusa's typical acceptance: faster, but the output no longer follows the target's
     /// distribution. Opt-in only.
     LossyTypical { epsilon: f64, delta: f64 },
-    /// Deliberately wrong: after all children are rejected, draws from P instead of the residual.
+    /// Deliberately wrong: after all children are rejected, draws afresh from P instead of
+    /// taking the residual's draw.
     /// Exists only so the exactness test can show it catches a broken rule.
     #[doc(hidden)]
     BrokenResampleFromTarget,
@@ -70,59 +82,26 @@ pub fn verify(
     let mut emitted = Vec::new();
     loop {
         let logits = logits_at(u)?;
-        let children = &tree.node(u).children;
-        match rule {
-            Rule::Greedy => {
-                let y = params.choose(&logits, &hist, rng);
+        // The target's own choice at this node, exactly as plain decoding makes it (the argmax,
+        // or one inverse-CDF draw from P with this node's path as history).
+        let y = params.choose(&logits, &hist, rng);
+        match tree.node(u).children.iter().find(|&&c| tokens[c] == y) {
+            Some(&c) => {
                 emitted.push(y);
-                match children.iter().find(|&&c| tokens[c] == y) {
-                    Some(&c) => {
-                        hist.push(y);
-                        accepted.push(c);
-                        u = c;
-                    }
-                    None => break,
-                }
+                hist.push(y);
+                accepted.push(c);
+                u = c;
             }
-            Rule::Sample | Rule::BrokenResampleFromTarget => {
-                let mut r = params.distribution(&logits, &hist);
-                let mut next = None;
-                for &c in children {
-                    let x = tokens[c] as usize;
-                    let px = r[x];
-                    if px <= 0.0 {
-                        continue; // zero-probability child, or a duplicate already rejected
-                    }
-                    if rng.random::<f64>() < px {
-                        next = Some(c);
-                        break;
-                    }
-                    r[x] = 0.0;
-                    let s: f64 = r.iter().sum();
-                    if s <= 0.0 {
-                        // Only reachable through rounding: fall back to the node's own distribution.
-                        r = params.distribution(&logits, &hist);
-                        break;
-                    }
-                    r.iter_mut().for_each(|v| *v /= s);
-                }
-                match next {
-                    Some(c) => {
-                        emitted.push(tokens[c]);
-                        hist.push(tokens[c]);
-                        accepted.push(c);
-                        u = c;
-                    }
-                    None => {
-                        if rule == Rule::BrokenResampleFromTarget {
-                            r = params.distribution(&logits, &hist);
-                        }
-                        emitted.push(sample_from(&r, rng));
-                        break;
-                    }
-                }
+            None if rule == Rule::BrokenResampleFromTarget && !params.is_greedy() => {
+                // Wrong on purpose: a rejected node draws afresh from P (a drafted token may
+                // come back), where the rule's remaining draw is from the residual.
+                emitted.push(params.choose(&logits, &hist, rng));
+                break;
             }
-            Rule::LossyTypical { .. } => unreachable!("handled above"),
+            None => {
+                emitted.push(y);
+                break;
+            }
         }
     }
     Ok(Verdict { accepted, emitted })
