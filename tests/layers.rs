@@ -16,7 +16,7 @@ const FILE_ORDER: &[(&str, &[&str])] = &[
     ("data", &["manifest"]),
     ("decode", &["sampling", "generate"]),
     ("draft", &["tree", "budget", "choice", "datastore", "lookup", "heads", "layer", "drafter", "export"]),
-    ("spec", &["verify", "plan", "driver"]),
+    ("spec", &["verify", "plan", "session", "driver"]),
     ("train", &["heads", "layer", "distill", "recipe"]),
     ("eval", &["run", "report", "tune", "roofline", "bench"]),
 ];

@@ -37,6 +37,7 @@ impl GenStats {
 }
 
 /// Stop conditions shared by every decoder.
+#[derive(Clone, Copy)]
 pub struct StopRule<'a> {
     pub max_new_tokens: usize,
     pub eos_ids: &'a [u32],

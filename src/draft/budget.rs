@@ -299,31 +299,45 @@ pub struct Draft {
     pub stored: bool,
 }
 
-impl Calibration {
-    /// Keep the part of `draft` worth verifying on a device with `costs` (see [`choose_nodes`]);
-    /// `fixed_ms` is the step's cost besides the forward (drafting).
-    pub fn cut(&self, draft: Draft, costs: &CostCurve, fixed_ms: f64) -> Result<Draft> {
-        let Draft { tree, tokens, scores, drafted_nodes, branch, stored } = draft;
-        let f = self.drafter_factor();
-        let mut est: Vec<f64> = (0..tree.len()).map(|i| if i < drafted_nodes { scores[i] * f } else { 0.0 }).collect();
-        let mut q = 1.0;
-        for (j, &i) in branch.iter().enumerate() {
-            q *= self.lookup_precision(stored, j);
-            est[i] = est[i].max(q);
-        }
-        let keep = choose_nodes(&tree, &est, costs, fixed_ms);
+impl Draft {
+    /// Keep the nodes `keep` (tree indices, root included, parents first), with their tokens,
+    /// scores and the part of the copied branch that survives.
+    pub fn restrict(self, keep: &[usize]) -> Result<Draft> {
+        let Draft { tree, tokens, scores, drafted_nodes, branch, stored } = self;
         let mut new_of = vec![usize::MAX; tree.len()];
         for (j, &i) in keep.iter().enumerate() {
             new_of[i] = j;
         }
         Ok(Draft {
-            tree: tree.restrict(&keep)?,
+            tree: tree.restrict(keep)?,
             tokens: keep.iter().map(|&i| tokens[i]).collect(),
             scores: keep.iter().filter(|&&i| i < drafted_nodes).map(|&i| scores[i]).collect(),
             drafted_nodes: keep.iter().filter(|&&i| i < drafted_nodes).count(),
             branch: branch.iter().map(|&i| new_of[i]).take_while(|&i| i != usize::MAX).collect(),
             stored,
         })
+    }
+}
+
+impl Calibration {
+    /// Keep the part of `draft` worth verifying on a device with `costs` (see [`choose_nodes`]);
+    /// `fixed_ms` is the step's cost besides the forward (drafting).
+    pub fn cut(&self, draft: Draft, costs: &CostCurve, fixed_ms: f64) -> Result<Draft> {
+        let keep = choose_nodes(&draft.tree, &self.estimates(&draft), costs, fixed_ms);
+        draft.restrict(&keep)
+    }
+
+    /// Each node's chance of acceptance as the cut ranks them (root 1): the drafter's path
+    /// scores scaled by its learned calibration, and the copied branch's running precision.
+    pub fn estimates(&self, draft: &Draft) -> Vec<f64> {
+        let f = self.drafter_factor();
+        let mut est: Vec<f64> = (0..draft.tree.len()).map(|i| if i < draft.drafted_nodes { draft.scores[i] * f } else { 0.0 }).collect();
+        let mut q = 1.0;
+        for (j, &i) in draft.branch.iter().enumerate() {
+            q *= self.lookup_precision(draft.stored, j);
+            est[i] = est[i].max(q);
+        }
+        est
     }
 
     /// Learn from the verdict on a verified draft: `accepted` holds its accepted node indices.
@@ -370,6 +384,46 @@ pub fn choose_nodes(tree: &Tree, estimates: &[f64], costs: &CostCurve, fixed_ms:
     }
     let mut kept: Vec<usize> = std::iter::once(0).chain(order[..best.1].iter().copied()).collect();
     kept.sort_unstable();
+    kept
+}
+
+/// [`choose_nodes`] for a batch: one forward verifies every sequence's tree, so nodes compete
+/// across sequences. Every root is kept (each sequence's next token needs its row); of the
+/// other nodes, the k likeliest over the whole batch are kept, for the k that maximises
+/// `(roots + sum of their estimates) / (cost(roots + k) + fixed_ms)`. As the batch grows, its
+/// roots alone climb the cost curve, each extra row costs more relative to what the step
+/// already yields, and trees shrink, down to none where plain batched decoding already fills
+/// the machine. Returns per tree its kept node indices in tree order.
+pub fn choose_nodes_batch(trees: &[(&Tree, Vec<f64>)], costs: &CostCurve, fixed_ms: f64) -> Vec<Vec<usize>> {
+    let roots = trees.len();
+    // (estimate, tree, node), each tree's nodes clamped so none outranks its parent, which
+    // keeps every tree's share of any prefix of the ranking prefix-closed.
+    let mut all: Vec<(f64, usize, usize)> = Vec::new();
+    for (t, (tree, est)) in trees.iter().enumerate() {
+        assert_eq!(est.len(), tree.len(), "one estimate per node");
+        let mut e = est.clone();
+        e[0] = 1.0;
+        for i in 1..tree.len() {
+            let p = tree.node(i).parent.expect("non-root nodes have parents");
+            e[i] = e[i].clamp(0.0, 1.0).min(e[p]);
+            all.push((e[i], t, i));
+        }
+    }
+    all.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+    let mut best = (roots as f64 / (costs.at(roots) + fixed_ms), 0);
+    let mut gain = roots as f64;
+    for (k, &(e, _, _)) in all.iter().enumerate() {
+        gain += e;
+        let v = gain / (costs.at(roots + k + 1) + fixed_ms);
+        if v > best.0 {
+            best = (v, k + 1);
+        }
+    }
+    let mut kept: Vec<Vec<usize>> = vec![vec![0]; roots];
+    for &(_, t, i) in &all[..best.1] {
+        kept[t].push(i);
+    }
+    kept.iter_mut().for_each(|k| k.sort_unstable());
     kept
 }
 
@@ -500,6 +554,30 @@ mod tests {
         }
         let f = falling.curve();
         assert!(f.at(8) >= f.at(1) && f.at(1) > 0.0, "{f:?}");
+    }
+
+    #[test]
+    fn batch_cut_spends_rows_where_they_buy_most_and_stops_when_the_machine_is_full() {
+        // Two trees: a root with children at 0.9 then 0.8 below it, and a root with one 0.3 child.
+        let a = Tree::from_paths(&[vec![0], vec![0, 0]]).unwrap();
+        let b = Tree::from_paths(&[vec![0]]).unwrap();
+        let (ea, eb) = (vec![1.0, 0.9, 0.8], vec![1.0, 0.3]);
+        // Nearly flat up to 8 rows: everything worth a row is kept, likeliest first.
+        let flat = CostCurve::from_points(&[(1, 10.0), (8, 10.7), (64, 60.0)], 64).unwrap();
+        let kept = choose_nodes_batch(&[(&a, ea.clone()), (&b, eb.clone())], &flat, 0.0);
+        assert_eq!(kept, vec![vec![0, 1, 2], vec![0, 1]]);
+        // One sequence alone: the same as choose_nodes.
+        assert_eq!(choose_nodes_batch(&[(&a, ea.clone())], &flat, 0.0)[0], choose_nodes(&a, &ea, &flat, 0.0));
+        // Each row costs as much as the first (compute-bound): roots only.
+        let linear = CostCurve::from_points(&[(1, 10.0), (64, 640.0)], 64).unwrap();
+        assert_eq!(choose_nodes_batch(&[(&a, ea.clone()), (&b, eb.clone())], &linear, 0.0), vec![vec![0], vec![0]]);
+        // Between: rows are cheap at first and dear past 3, so the two likeliest go in.
+        let knee = CostCurve::from_points(&[(1, 10.0), (2, 10.2), (3, 10.5), (4, 20.0), (64, 200.0)], 64).unwrap();
+        assert_eq!(choose_nodes_batch(&[(&a, ea), (&b, eb)], &knee, 0.0), vec![vec![0, 1], vec![0]]);
+        // A child estimated above its parent cannot jump it.
+        let c = Tree::from_paths(&[vec![0], vec![0, 0]]).unwrap();
+        let one_pays = CostCurve::from_points(&[(1, 10.0), (2, 10.1), (3, 20.0)], 8).unwrap();
+        assert_eq!(choose_nodes_batch(&[(&c, vec![1.0, 0.1, 0.9])], &one_pays, 0.0), vec![vec![0, 1]]);
     }
 
     #[test]

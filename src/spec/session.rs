@@ -1,0 +1,476 @@
+//! One sequence's self-speculative decoding as a machine that moves a step at a time, so that a
+//! driver can put many sequences' steps into one target forward: the sequence proposes its
+//! work ([`Sequence::next_work`]: a chunk of prompt, or a drafted tree), the driver runs the
+//! forward (alone: [`crate::spec::generate_spec`]; batched: the server's scheduler), and the
+//! sequence takes its rows back ([`Sequence::finish_work`]: verification, emission, KV commit).
+//!
+//! Every decision a step makes is the sequence's own (its tree, its draws, its penalties); the
+//! only thing a batch shares is the forward, whose rows do not depend on one another. So a
+//! sequence emits the same tokens alone or beside any others.
+use std::time::Instant;
+
+use candle_core::Tensor;
+
+use crate::cpu::attention::TreeMask;
+use crate::cpu::reduce::row_to_vec;
+use crate::decode::generate::{check_budget, GenStats, StopRule};
+use crate::decode::sampling::{Rng64, SamplingParams};
+use crate::draft::budget::{Budget, Calibration, CostCurve, Draft, LiveCosts, AFFORDABLE_COST, AUTO_NODES};
+use crate::draft::choice::TreeChoice;
+use crate::draft::drafter::{DraftState, Drafter};
+use crate::draft::lookup::Lookup;
+use crate::draft::tree::Tree;
+use crate::model::kv_cache::KvCache;
+use crate::model::Llama;
+use crate::spec::verify::{verify, Rule};
+use crate::draft::datastore::Datastore;
+use crate::{Error, Result};
+
+/// Ranks kept for per-head top-5 accuracy.
+const ACC_K: usize = 5;
+
+/// For `auto` trees: the path probability below which a node is not expanded. Expanding one
+/// costs a verification row (the curve's first step, relative to a plain step) and, when it
+/// opens a new level, a forward of the draft layer; a level is worth its time when the tokens it
+/// may add, relative to the step's τ, exceed its time relative to the step's. Measured on this
+/// Xeon with bf16 weights, `auto+lookup:6` went from 1.68× to 1.79–1.81× with a floor 0.05–0.1
+/// higher than the first term alone, τ 2.50 → 2.47–2.49 (a level there is ~0.27 ms of a 9 ms
+/// step); with f32 weights a level is a smaller share of a 16 ms step.
+pub(crate) fn expansion_floor(costs: &CostCurve, stats: &SpecStats, levels: usize, emitted: usize) -> f64 {
+    let steps = stats.gen.target_forwards;
+    if steps == 0 || levels == 0 {
+        return costs.first_step();
+    }
+    let step_ms = (stats.time.draft + stats.time.forward) * 1e3 / steps as f64;
+    let level_ms = stats.time.draft * 1e3 / levels as f64;
+    let tau = emitted.saturating_sub(1) as f64 / steps as f64;
+    costs.first_step() + tau * level_ms / step_ms
+}
+
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct SpecStats {
+    pub gen: GenStats,
+    /// `accept_hist[m]` = steps that accepted m drafted tokens (plus one correction/bonus token).
+    pub accept_hist: Vec<usize>,
+    /// For a static tree: per node, (times its parent was accepted, times it was accepted).
+    pub node_tries_hits: Vec<(usize, usize)>,
+    /// Per head: (positions checked, top-1 hits, top-5 hits) against the target's own tokens.
+    pub head_acc: Vec<(usize, usize, usize)>,
+    pub tree_nodes_total: usize,
+    /// Per emitted token: true when it was a drafted token the target accepted, false for the
+    /// target's own (first, correction or bonus) tokens. For showing what speculation did.
+    pub drafted: Vec<bool>,
+    /// Where decode time went, in seconds: drafting the trees, the target's tree forwards
+    /// (with logits), verification, and updating the KV cache and the drafter's state.
+    pub time: StepTimes,
+    /// Nodes the context lookup added to the drafter's trees, and how many of them were accepted.
+    pub lookup_nodes: usize,
+    pub lookup_accepted: usize,
+}
+
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct StepTimes {
+    pub draft: f64,
+    pub forward: f64,
+    pub verify: f64,
+    pub commit: f64,
+}
+
+impl SpecStats {
+    /// Tokens per target forward, the bonus token counted (plain decoding = 1.0).
+    pub fn tau(&self) -> f64 {
+        self.gen.tau()
+    }
+}
+
+#[derive(Clone)]
+pub struct SpecOptions<'a> {
+    pub tree: TreeChoice,
+    /// Graft a continuation copied from the context onto every tree.
+    pub lookup: Option<Lookup>,
+    /// A second source for the copied branch: the target's own earlier answers. Used only with
+    /// `lookup`, whose token count it shares.
+    pub datastore: Option<&'a Datastore>,
+    pub rule: Rule,
+    pub params: SamplingParams,
+    pub stop: StopRule<'a>,
+}
+
+/// What a sequence asks of the next target forward.
+pub enum Work {
+    /// The next chunk of the prompt, run causally after what is cached.
+    Prefill { tokens: Vec<u32>, positions: Vec<usize>, mask: TreeMask },
+    /// A drafted tree under the last emitted token (a root-only tree without a drafter: plain
+    /// decoding). [`Sequence::cut`] trims it to what is worth verifying before it runs.
+    Tree { draft: Draft, positions: Vec<usize>, mask: TreeMask },
+}
+
+impl Work {
+    pub fn tokens(&self) -> &[u32] {
+        match self {
+            Work::Prefill { tokens, .. } => tokens,
+            Work::Tree { draft, .. } => &draft.tokens,
+        }
+    }
+    pub fn positions(&self) -> &[usize] {
+        match self {
+            Work::Prefill { positions, .. } | Work::Tree { positions, .. } => positions,
+        }
+    }
+    pub fn mask(&self) -> &TreeMask {
+        match self {
+            Work::Prefill { mask, .. } | Work::Tree { mask, .. } => mask,
+        }
+    }
+    /// The rows whose logits [`Sequence::finish_work`] reads (all of a tree; the last row of the
+    /// prompt's final chunk; none of an earlier chunk).
+    pub fn logit_rows(&self, prompt_done: bool) -> std::ops::Range<usize> {
+        match self {
+            Work::Prefill { tokens, .. } if prompt_done => tokens.len() - 1..tokens.len(),
+            Work::Prefill { .. } => 0..0,
+            Work::Tree { draft, .. } => 0..draft.tokens.len(),
+        }
+    }
+}
+
+enum Phase<'d> {
+    /// `hidden` holds the final hidden states of the prompt's chunks run so far (a draft layer
+    /// reads all of them when it starts).
+    Prefill { done: usize, hidden: Vec<Tensor> },
+    Decode(Option<DraftState<'d>>),
+    Done,
+}
+
+/// One generation, stepped from outside.
+pub struct Sequence<'d> {
+    drafter: Option<&'d Drafter>,
+    opts: SpecOptions<'d>,
+    choice: TreeChoice,
+    live: Option<LiveCosts>,
+    refit: bool,
+    calib: Calibration,
+    /// Draft-layer levels run so far (a drafted tree of depth d took d - 1), to price one more.
+    levels: usize,
+    budget: usize,
+    max_pos: usize,
+    cache: KvCache,
+    prompt_len: usize,
+    history: Vec<u32>,
+    out: Vec<u32>,
+    phase: Phase<'d>,
+    rng: Rng64,
+    stats: SpecStats,
+    /// (index in `out` of the root, per level top-5 draft ids) for accuracy after the fact.
+    drafts: Vec<(usize, Vec<Vec<u32>>)>,
+    started: Instant,
+}
+
+impl<'d> Sequence<'d> {
+    /// Check everything about the request before any forward: sampling parameters, the tree
+    /// against the drafter, the prompt against the context. `drafter: None` decodes plainly
+    /// (one row a step), through the same verification, so its tokens are plain decoding's.
+    pub fn new(model: &Llama, drafter: Option<&'d Drafter>, prompt: &[u32], opts: SpecOptions<'d>, rng: Rng64) -> Result<Self> {
+        opts.params.validate()?;
+        if prompt.is_empty() {
+            return Err(Error::InvalidArgument("the prompt is empty".into()));
+        }
+        let max_pos = model.config().max_position;
+        let budget = check_budget(prompt.len(), opts.stop.max_new_tokens, max_pos)?;
+        let (choice, live, refit) = match drafter {
+            Some(d) => {
+                d.validate_tree(&opts.tree)?;
+                let choice = d.resolve(&opts.tree).with_costs(model, opts.lookup.map_or(0, |l| l.max_tokens))?;
+                let (live, refit) = match &choice {
+                    TreeChoice::Auto(b) => (b.costs.as_deref().map(LiveCosts::new), b.fit_to_device),
+                    _ => (None, false),
+                };
+                (choice, live, refit)
+            }
+            None => (TreeChoice::Static(Tree::from_paths(&[]).expect("a root-only tree")), None, false),
+        };
+        let mut stats = SpecStats::default();
+        if let TreeChoice::Static(t) = &choice {
+            stats.node_tries_hits = vec![(0, 0); t.len()];
+        }
+        Ok(Sequence {
+            drafter,
+            opts,
+            choice,
+            live,
+            refit,
+            calib: Calibration::default(),
+            levels: 0,
+            budget,
+            max_pos,
+            cache: model.new_cache()?,
+            prompt_len: prompt.len(),
+            history: prompt.to_vec(),
+            out: Vec::new(),
+            phase: Phase::Prefill { done: 0, hidden: Vec::new() },
+            rng,
+            stats,
+            drafts: Vec::new(),
+            started: Instant::now(),
+        })
+    }
+
+    pub fn is_done(&self) -> bool {
+        matches!(self.phase, Phase::Done)
+    }
+    /// Whether the prompt has been run through the target in full.
+    pub fn is_decoding(&self) -> bool {
+        matches!(self.phase, Phase::Decode(_))
+    }
+    /// Tokens emitted so far.
+    pub fn output(&self) -> &[u32] {
+        &self.out
+    }
+    pub fn stats(&self) -> &SpecStats {
+        &self.stats
+    }
+    pub fn cache_mut(&mut self) -> &mut KvCache {
+        &mut self.cache
+    }
+    /// Whether the last emitted token is an end-of-sequence token.
+    pub fn ended_on_eos(&self) -> bool {
+        self.out.last().is_some_and(|t| self.opts.stop.eos_ids.contains(t))
+    }
+    /// Prompt tokens not yet run through the target.
+    pub fn prompt_left(&self) -> usize {
+        match &self.phase {
+            Phase::Prefill { done, .. } => self.prompt_len - done,
+            _ => 0,
+        }
+    }
+    /// Whether this sequence's trees are `auto` trees, which a driver may cut by cost.
+    pub fn is_auto(&self) -> bool {
+        self.live.is_some()
+    }
+    /// End the sequence now (a stop string matched, the client left): no more work.
+    pub fn stop(&mut self) {
+        self.phase = Phase::Done;
+    }
+
+    /// The next piece of work: up to `prefill_chunk` prompt tokens while the prompt is being
+    /// read, else a drafted (uncut) tree. None once the sequence is done.
+    pub fn next_work(&mut self, model: &Llama, prefill_chunk: usize) -> Result<Option<Work>> {
+        let t_step = Instant::now();
+        match &mut self.phase {
+            Phase::Done => Ok(None),
+            Phase::Prefill { done, .. } => {
+                let end = (*done + prefill_chunk.max(1)).min(self.prompt_len);
+                let tokens = self.history[*done..end].to_vec();
+                let positions: Vec<usize> = (*done..end).collect();
+                Ok(Some(Work::Prefill { mask: TreeMask::causal(tokens.len()), tokens, positions }))
+            }
+            Phase::Decode(state) => {
+                let committed = self.cache.len();
+                if committed + 1 >= self.max_pos {
+                    self.phase = Phase::Done;
+                    return Ok(None);
+                }
+                let root = *self.out.last().expect("decoding starts after the first token");
+                let Some(state) = state.as_mut() else {
+                    let draft = Draft { tree: Tree::from_paths(&[]).expect("a root-only tree"), tokens: vec![root], scores: vec![1.0], drafted_nodes: 1, branch: Vec::new(), stored: false };
+                    return Ok(Some(Work::Tree { positions: draft.tree.positions(committed), mask: draft.tree.mask(), draft }));
+                };
+                let costs = self.live.as_ref().map(LiveCosts::curve);
+                let min_expand = costs.as_ref().map_or(0.0, |c| expansion_floor(c, &self.stats, self.levels, self.out.len()) / self.calib.drafter_factor());
+                let refitted;
+                let choice = match &costs {
+                    Some(c) if self.refit => {
+                        refitted = TreeChoice::Auto(Budget { max_nodes: c.affordable(AFFORDABLE_COST).clamp(2, AUTO_NODES), costs: None, fit_to_device: true });
+                        &refitted
+                    }
+                    _ => &self.choice,
+                };
+                let proposal = state.propose(model, root, choice, ACC_K, self.max_pos - committed, min_expand)?;
+                self.levels += proposal.tree.depth().saturating_sub(1);
+                self.drafts.push((self.out.len() - 1, proposal.guesses));
+                let (mut tree, mut tokens) = (proposal.tree, proposal.tokens);
+                // The lookup grafts its nodes after the drafter's; `branch` is the copied path.
+                let drafted_nodes = tree.len();
+                let (branch, stored) = match &self.opts.lookup {
+                    Some(l) => {
+                        let (copied, stored) = l.copy(&self.history, self.opts.datastore);
+                        (Lookup::graft(&mut tree, &mut tokens, &copied, self.max_pos - committed), stored)
+                    }
+                    None => (Vec::new(), false),
+                };
+                let draft = Draft { tree, tokens, scores: proposal.scores, drafted_nodes, branch, stored };
+                self.stats.time.draft += t_step.elapsed().as_secs_f64();
+                Ok(Some(Work::Tree { positions: draft.tree.positions(committed), mask: draft.tree.mask(), draft }))
+            }
+        }
+    }
+
+    /// The cost curve this sequence prices its trees with, when its trees are `auto`.
+    pub fn costs(&self) -> Option<CostCurve> {
+        self.live.as_ref().map(LiveCosts::curve)
+    }
+
+    /// Each node's estimated chance of acceptance (root 1), as the cut ranks them: the
+    /// drafter's scores scaled by what this sequence has learned of its calibration, and the
+    /// copied branch's running precision.
+    pub fn estimates(&self, draft: &Draft) -> Vec<f64> {
+        self.calib.estimates(draft)
+    }
+
+    /// Trim an `auto` tree to what is worth verifying for this sequence alone (a driver that
+    /// prices a whole batch cuts with [`crate::draft::budget::choose_nodes_batch`] instead).
+    /// Other work passes unchanged.
+    pub fn cut(&self, work: Work) -> Result<Work> {
+        match (work, self.costs()) {
+            (Work::Tree { draft, .. }, Some(costs)) => {
+                let drafting_ms = self.stats.time.draft * 1e3 / self.stats.gen.target_forwards.max(1) as f64;
+                let draft = self.calib.cut(draft, &costs, drafting_ms)?;
+                let committed = self.cache.len();
+                Ok(Work::Tree { positions: draft.tree.positions(committed), mask: draft.tree.mask(), draft })
+            }
+            (w, _) => Ok(w),
+        }
+    }
+
+    /// Keep the nodes `keep` (tree indices, root included, parents first) of a tree.
+    pub fn restrict(&self, work: Work, keep: &[usize]) -> Result<Work> {
+        match work {
+            Work::Tree { draft, .. } => {
+                let draft = draft.restrict(keep)?;
+                let committed = self.cache.len();
+                Ok(Work::Tree { positions: draft.tree.positions(committed), mask: draft.tree.mask(), draft })
+            }
+            w => Ok(w),
+        }
+    }
+
+    /// The driver ran `work`'s rows through the target (`forward_ms` for the whole forward,
+    /// over `rows` rows in all): `hidden` holds this sequence's rows' final hidden states and
+    /// `logits` the logits of its [`Work::logit_rows`]. Verifies, emits (each new token passed
+    /// to `on_token` with whether it was drafted) and commits. Returns the tokens emitted.
+    pub fn finish_work(&mut self, model: &Llama, work: Work, hidden: Tensor, logits: Option<Tensor>, rows: usize, forward_ms: f64, on_token: &mut dyn FnMut(u32, bool) -> Result<()>) -> Result<usize> {
+        let before = self.out.len();
+        match (work, &mut self.phase) {
+            (Work::Prefill { tokens, .. }, Phase::Prefill { done, hidden: hs }) => {
+                *done += tokens.len();
+                hs.push(hidden);
+                self.stats.gen.prefill_secs += forward_ms / 1e3;
+                if *done < self.prompt_len {
+                    return Ok(0);
+                }
+                let hidden = if hs.len() == 1 { hs.pop().expect("one") } else { Tensor::cat(hs, 0)? };
+                let logits = logits.ok_or_else(|| Error::InvalidArgument("the prompt's last row needs its logits".into()))?;
+                let first = self.opts.params.choose(&row_to_vec(&logits, 0)?, &self.history, &mut self.rng);
+                self.started = Instant::now();
+                let done = self.emit(first, false, on_token)?;
+                self.phase = match (done, self.drafter) {
+                    (true, _) => Phase::Done,
+                    (false, Some(d)) => Phase::Decode(Some(d.start(model, &hidden, &self.history[..self.prompt_len], first)?)),
+                    (false, None) => Phase::Decode(None),
+                };
+            }
+            (Work::Tree { draft, .. }, Phase::Decode(_)) => {
+                let t_verify = Instant::now();
+                self.stats.time.forward += forward_ms / 1e3;
+                let logits = logits.ok_or_else(|| Error::InvalidArgument("a tree needs its logits".into()))?;
+                if let Some(live) = self.live.as_mut() {
+                    live.observe(rows, forward_ms);
+                }
+                let (tree, tokens, drafted_nodes) = (&draft.tree, &draft.tokens, draft.drafted_nodes);
+                self.stats.lookup_nodes += tree.len() - drafted_nodes;
+                let verdict = verify(tree, tokens, &self.history, &self.opts.params, self.opts.rule, &mut self.rng, &mut |i| row_to_vec(&logits, i))?;
+                let t_commit = Instant::now();
+                let committed = self.cache.len() - tree.len();
+                let slots: Vec<usize> = verdict.accepted.iter().map(|&a| committed + a).collect();
+                self.cache.compact(committed, &slots)?;
+                let s = &mut self.stats;
+                s.gen.target_forwards += 1;
+                s.tree_nodes_total += tree.len();
+                let m = verdict.accepted.len() - 1;
+                if s.accept_hist.len() <= m {
+                    s.accept_hist.resize(m + 1, 0);
+                }
+                s.accept_hist[m] += 1;
+                s.lookup_accepted += verdict.accepted.iter().filter(|&&a| a >= drafted_nodes).count();
+                if self.live.is_some() {
+                    self.calib.learn(&draft, &verdict.accepted);
+                }
+                if let TreeChoice::Static(_) = &self.choice {
+                    for (i, n) in tree.nodes().iter().enumerate().take(drafted_nodes).skip(1) {
+                        if verdict.accepted.contains(&n.parent.expect("non-root")) {
+                            s.node_tries_hits[i].0 += 1;
+                            if verdict.accepted.contains(&i) {
+                                s.node_tries_hits[i].1 += 1;
+                            }
+                        }
+                    }
+                }
+                let mut done = false;
+                for (i, &tok) in verdict.emitted.iter().enumerate() {
+                    done = self.emit(tok, i + 1 < verdict.emitted.len(), on_token)?;
+                    if done {
+                        break;
+                    }
+                }
+                match (&mut self.phase, done) {
+                    (Phase::Decode(Some(state)), false) => state.commit(model, &hidden, &verdict.accepted, &verdict.emitted)?,
+                    (_, true) => self.phase = Phase::Done,
+                    _ => {}
+                }
+                self.stats.time.verify += (t_commit - t_verify).as_secs_f64();
+                self.stats.time.commit += t_commit.elapsed().as_secs_f64();
+            }
+            (_, Phase::Done) => {}
+            _ => return Err(Error::InvalidArgument("work handed back to a sequence in another phase".into())),
+        }
+        self.stats.gen.decode_secs = self.started.elapsed().as_secs_f64();
+        Ok(self.out.len() - before)
+    }
+
+    fn emit(&mut self, tok: u32, drafted: bool, on_token: &mut dyn FnMut(u32, bool) -> Result<()>) -> Result<bool> {
+        self.out.push(tok);
+        self.history.push(tok);
+        self.stats.drafted.push(drafted);
+        on_token(tok, drafted)?;
+        Ok(self.opts.stop.eos_ids.contains(&tok) || self.out.len() >= self.budget)
+    }
+
+    /// The tokens, the run's statistics (drafting accuracy scored against what the target
+    /// emitted) and the random generator (handed back to a caller that lent it).
+    pub fn finish(mut self) -> (Vec<u32>, SpecStats, Rng64) {
+        let levels = self.drafts.iter().map(|d| d.1.len()).max().unwrap_or(0);
+        self.stats.head_acc = vec![(0, 0, 0); levels];
+        for (root_idx, per_level) in &self.drafts {
+            for (k, cands) in per_level.iter().enumerate() {
+                if let Some(&truth) = self.out.get(root_idx + 1 + k) {
+                    let a = &mut self.stats.head_acc[k];
+                    a.0 += 1;
+                    a.1 += (cands.first() == Some(&truth)) as usize;
+                    a.2 += cands.contains(&truth) as usize;
+                }
+            }
+        }
+        self.stats.gen.prompt_tokens = self.prompt_len;
+        self.stats.gen.new_tokens = self.out.len();
+        (self.out, self.stats, self.rng)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::draft::budget::CostCurve;
+
+    #[test]
+    fn expansion_floor_prices_a_draft_level_once_the_loop_has_timings() {
+        let costs = CostCurve::from_points(&[(1, 10.0), (2, 10.5), (16, 14.0)], 16).unwrap();
+        let mut stats = SpecStats::default();
+        assert_eq!(expansion_floor(&costs, &stats, 0, 1), costs.first_step(), "no steps yet: the verification row only");
+        // 10 steps of 12 ms (2 of them drafting, 20 levels in all), 25 tokens after the first:
+        // a level is 1 ms of a 12 ms step that yields 2.5 tokens.
+        stats.gen.target_forwards = 10;
+        stats.time.draft = 0.02;
+        stats.time.forward = 0.10;
+        let floor = expansion_floor(&costs, &stats, 20, 26);
+        assert!((floor - (0.05 + 2.5 * 1.0 / 12.0)).abs() < 1e-9, "{floor}");
+    }
+}
