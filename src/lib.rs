@@ -38,6 +38,7 @@
 //! | [`spec`] | the plan of a step, exact verification, the speculative loop |
 //! | [`train`] | self-distillation, training heads and draft layers, recipes |
 //! | [`eval`] | evaluation, tree tuning, forward benchmarks, the roofline |
+//! | [`serve`] | the OpenAI-compatible server: batched, exact self-speculation over HTTP |
 pub mod cpu;
 pub mod data;
 pub mod decode;
@@ -46,6 +47,7 @@ pub mod error;
 pub mod eval;
 pub mod files;
 pub mod model;
+pub mod serve;
 pub mod spec;
 pub mod train;
 

@@ -7,7 +7,7 @@
 //! the file, the line and the path.
 use std::path::{Path, PathBuf};
 
-const LAYERS: &[&[&str]] = &[&["error", "files"], &["cpu"], &["model"], &["data"], &["decode"], &["draft"], &["spec"], &["train"], &["eval"], &["cli", "main", "lib"]];
+const LAYERS: &[&[&str]] = &[&["error", "files"], &["cpu"], &["model"], &["data"], &["decode"], &["draft"], &["spec"], &["train"], &["eval"], &["serve"], &["cli", "main", "lib"]];
 
 /// Files of a folder, lowest first: a file may import only files before it (and itself).
 const FILE_ORDER: &[(&str, &[&str])] = &[
@@ -19,6 +19,7 @@ const FILE_ORDER: &[(&str, &[&str])] = &[
     ("spec", &["verify", "plan", "session", "driver"]),
     ("train", &["heads", "layer", "distill", "recipe"]),
     ("eval", &["run", "report", "tune", "roofline", "bench"]),
+    ("serve", &["api", "engine", "http"]),
 ];
 
 fn layer_of(top: &str) -> Option<usize> {

@@ -6,6 +6,7 @@ pub mod distill;
 pub mod eval;
 pub mod export;
 pub mod generate;
+pub mod serve;
 pub mod train;
 pub mod tune;
 
@@ -38,6 +39,9 @@ enum Command {
     Export(export::ExportArgs),
     /// Time one forward over T new tokens after a context, for each T and weight format.
     Bench(bench::BenchArgs),
+    /// An OpenAI-compatible HTTP server (chat and completions, streaming, /metrics, a page at
+    /// /) that decodes all its requests together, each with self-speculation when --drafter.
+    Serve(serve::ServeArgs),
 }
 
 /// Run the subcommand the command line names.
@@ -50,5 +54,6 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Tune(a) => tune::run(a),
         Command::Export(a) => export::run(a),
         Command::Bench(a) => bench::run(a),
+        Command::Serve(a) => serve::run(a),
     }
 }

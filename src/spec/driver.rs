@@ -21,7 +21,7 @@ pub fn generate_spec(
     on_token: &mut dyn FnMut(u32) -> Result<()>,
 ) -> Result<(Vec<u32>, SpecStats)> {
     let mut seq = Sequence::new(model, Some(drafter), prompt, opts.clone(), rng.clone())?;
-    while let Some(work) = seq.next_work(model, usize::MAX)? {
+    while let Some(work) = seq.next_work(model, usize::MAX, true)? {
         let work = seq.cut(work)?;
         let t_fwd = Instant::now();
         let last_chunk = work.tokens().len() >= seq.prompt_left();

@@ -252,8 +252,10 @@ impl<'d> Sequence<'d> {
     }
 
     /// The next piece of work: up to `prefill_chunk` prompt tokens while the prompt is being
-    /// read, else a drafted (uncut) tree. None once the sequence is done.
-    pub fn next_work(&mut self, model: &Llama, prefill_chunk: usize) -> Result<Option<Work>> {
+    /// read, else a drafted (uncut) tree, or the root alone when `draft` is false (a driver
+    /// whose machine is full skips drafting; the drafter still follows the tokens). None once
+    /// the sequence is done.
+    pub fn next_work(&mut self, model: &Llama, prefill_chunk: usize, draft: bool) -> Result<Option<Work>> {
         let t_step = Instant::now();
         match &mut self.phase {
             Phase::Done => Ok(None),
@@ -270,7 +272,7 @@ impl<'d> Sequence<'d> {
                     return Ok(None);
                 }
                 let root = *self.out.last().expect("decoding starts after the first token");
-                let Some(state) = state.as_mut() else {
+                let Some(state) = state.as_mut().filter(|_| draft) else {
                     let draft = Draft { tree: Tree::from_paths(&[]).expect("a root-only tree"), tokens: vec![root], scores: vec![1.0], drafted_nodes: 1, branch: Vec::new(), stored: false };
                     return Ok(Some(Work::Tree { positions: draft.tree.positions(committed), mask: draft.tree.mask(), draft }));
                 };

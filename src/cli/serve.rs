@@ -1,0 +1,85 @@
+//! `selfspec serve`: the OpenAI-compatible server.
+use std::net::{IpAddr, SocketAddr};
+
+use anyhow::{bail, Result};
+use clap::Args;
+use selfspec::serve::{serve, ServeConfig};
+use selfspec::spec::plan::{Plan, DEFAULT_TREE};
+
+use crate::cli::args::{DrafterArgs, ModelArgs};
+
+#[derive(Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    drafter: DrafterArgs,
+    /// The tree each request drafts (as `generate --tree`); `auto` trees are cut per step for
+    /// the whole batch by this device's measured costs, so they shrink as load grows.
+    #[arg(long, default_value = DEFAULT_TREE, help_heading = "Drafter")]
+    tree: String,
+    /// Address to listen on. The default takes connections from this machine only.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: IpAddr,
+    /// Port to listen on (0: any free port; the one chosen is printed).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// The name clients give as `model` [default: the model file's name without extension].
+    #[arg(long)]
+    model_name: Option<String>,
+    /// Requests decoded side by side at most; more wait in the queue.
+    #[arg(long, default_value_t = 8)]
+    max_batch: usize,
+    /// Requests waiting at most; past it new ones get 503 with Retry-After.
+    #[arg(long, default_value_t = 64)]
+    queue: usize,
+    /// Largest request body in bytes (larger: 413).
+    #[arg(long, default_value_t = 1 << 20)]
+    max_body: usize,
+    /// Require `Authorization: Bearer KEY` on /v1/* and /metrics (or set SELFSPEC_API_KEY).
+    #[arg(long, env = "SELFSPEC_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+}
+
+pub fn run(a: ServeArgs) -> Result<()> {
+    if a.max_batch == 0 || a.max_batch > 256 {
+        bail!("--max-batch must be between 1 and 256, got {}", a.max_batch);
+    }
+    if a.queue == 0 || a.queue > 100_000 {
+        bail!("--queue must be between 1 and 100000, got {}", a.queue);
+    }
+    if a.max_body < 1024 {
+        bail!("--max-body must be at least 1024 bytes, got {}", a.max_body);
+    }
+    if a.api_key.as_deref().is_some_and(str::is_empty) {
+        bail!("--api-key is empty");
+    }
+    let plan = Plan::parse(&a.tree)?;
+    let model_name = match a.model_name.clone() {
+        Some(n) => n,
+        None => a.model.model.file_stem().map_or_else(|| "model".to_string(), |s| s.to_string_lossy().into_owned()),
+    };
+    let t0 = std::time::Instant::now();
+    let target = a.model.load()?;
+    let drafter = a.drafter.load(&target)?;
+    let datastore = a.drafter.datastore(&target)?;
+    eprintln!("loaded {} ({} weights){} in {:.2} s", target.path.display(), target.model.weight_format(), if drafter.is_some() { " and its drafter" } else { "" }, t0.elapsed().as_secs_f64());
+    if let Some(n) = target.plain_prompts_note() {
+        eprintln!("{n} (chat requests are joined as plain text)");
+    }
+    let cfg = ServeConfig {
+        addr: SocketAddr::new(a.host, a.port),
+        model_name: model_name.clone(),
+        plan,
+        max_batch: a.max_batch,
+        queue: a.queue,
+        body_limit: a.max_body,
+        api_key: a.api_key.clone(),
+        drafter_path: a.drafter.drafter.as_ref().map(|p| p.display().to_string()),
+    };
+    serve(target, drafter, datastore, cfg, |addr| {
+        eprintln!("serving '{model_name}' at http://{addr}/ (OpenAI API under /v1; Ctrl-C stops)");
+    })?;
+    eprintln!("stopped");
+    Ok(())
+}

@@ -1,0 +1,532 @@
+//! The scheduler: one thread owns the decoding. Every step is one target forward over every
+//! active sequence's work (a drafted tree, or a chunk of a new prompt), each sequence with its
+//! own KV cache and positions; each sequence then verifies its own rows and emits 1 to τ
+//! tokens (ragged acceptance). Requests come in through a bounded queue and leave as events on
+//! their own channel, so a slow or vanished client never holds the loop up.
+//!
+//! Why a request's tokens do not depend on what else is served: every decision in a step is the
+//! sequence's own ([`Sequence`]), the forward's rows do not depend on one another (the kernels
+//! are batch-invariant), and sampling's draws are plain decoding's whatever the tree
+//! ([`crate::spec::verify`]). Trees are cut for the whole batch by the cost curve
+//! ([`choose_nodes_batch`]): as load grows, the roots alone climb the curve and extra rows stop
+//! paying, so trees shrink and then vanish.
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use candle_core::Tensor;
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::decode::generate::{StopRule, TextStream};
+use crate::decode::sampling::{rng, SamplingParams};
+use crate::draft::budget::{choose_nodes_batch, CostCurve, LiveCosts};
+use crate::draft::choice::TreeChoice;
+use crate::draft::datastore::Datastore;
+use crate::draft::drafter::Drafter;
+use crate::draft::lookup::Lookup;
+use crate::model::loader::Target;
+use crate::model::BatchEntry;
+use crate::spec::session::{Sequence, SpecOptions, Work};
+use crate::spec::verify::Rule;
+use crate::{Error, Result};
+
+/// Prompt tokens run per step, over all prefilling sequences: a long prompt is read in pieces
+/// between decode steps instead of stalling every other sequence for its whole length.
+pub const PREFILL_TOKENS_PER_STEP: usize = 128;
+
+/// One request, tokenized and checked.
+pub struct Job {
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    pub max_tokens: usize,
+    pub seed: u64,
+    /// Strings that end the answer (not included in it).
+    pub stop: Vec<String>,
+    pub events: UnboundedSender<Event>,
+}
+
+/// What a request hears back.
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// New answer text. `drafted` per token: whether the drafter proposed it and the target
+    /// accepted it (false for the target's own tokens).
+    Text { text: String, tokens: Vec<(u32, bool)> },
+    Done(Summary),
+    Failed(String),
+}
+
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct Summary {
+    /// "stop" (end of sequence or a stop string) or "length".
+    pub finish_reason: &'static str,
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// Target forwards this request took part in after its prompt.
+    pub target_forwards: usize,
+    /// Tokens emitted per target forward, the bonus token counted (plain decoding = 1.0).
+    pub tau: f64,
+    /// Emitted tokens that were drafted and accepted.
+    pub accepted_draft_tokens: usize,
+    pub seed: u64,
+}
+
+/// Counters for `/metrics`.
+#[derive(Default)]
+pub struct Metrics {
+    pub requests: AtomicU64,
+    pub requests_failed: AtomicU64,
+    pub requests_rejected: AtomicU64,
+    pub requests_cancelled: AtomicU64,
+    /// Requests that ran out of tokens (max_tokens or the context) rather than stopping.
+    pub requests_length: AtomicU64,
+    pub prompt_tokens: AtomicU64,
+    pub completion_tokens: AtomicU64,
+    pub accepted_draft_tokens: AtomicU64,
+    /// Sequence-steps: one per sequence per decode forward (τ = completion tokens / this).
+    pub sequence_steps: AtomicU64,
+    /// Tokens emitted by those steps (τ = this / sequence_steps; a request's first token comes
+    /// from its prompt's forward).
+    pub decode_tokens: AtomicU64,
+    pub forwards: AtomicU64,
+    pub forward_rows: AtomicU64,
+    pub busy_micros: AtomicU64,
+    pub queue_depth: AtomicUsize,
+    pub batch_size: AtomicUsize,
+    pub last_tok_s_milli: AtomicU64,
+}
+
+/// How the engine decodes.
+pub struct EngineConfig {
+    /// The tree every request drafts (already resolved against the drafter, with its cost curve
+    /// measured for `auto`).
+    pub tree: TreeChoice,
+    pub lookup: Option<Lookup>,
+    /// Sequences decoded side by side at most; more wait in the queue.
+    pub max_batch: usize,
+    /// Requests waiting at most; past it new ones are refused (503).
+    pub queue: usize,
+    /// The cost of a forward by rows, for cutting a batch's trees.
+    pub costs: Option<CostCurve>,
+}
+
+/// The handle request handlers submit to.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: SyncSender<Job>,
+    pub metrics: Arc<Metrics>,
+}
+
+/// Why a job was not queued.
+pub enum Refused {
+    Full,
+    Stopped,
+}
+
+impl EngineHandle {
+    pub fn submit(&self, job: Job) -> std::result::Result<(), Refused> {
+        self.metrics.queue_depth.fetch_add(1, Ordering::SeqCst);
+        match self.tx.try_send(job) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                self.metrics.queue_depth.fetch_sub(1, Ordering::SeqCst);
+                self.metrics.requests_rejected.fetch_add(1, Ordering::Relaxed);
+                Err(match e {
+                    TrySendError::Full(_) => Refused::Full,
+                    TrySendError::Disconnected(_) => Refused::Stopped,
+                })
+            }
+        }
+    }
+}
+
+/// Start the engine thread. It runs until every [`EngineHandle`] is dropped and the sequences in
+/// flight have finished.
+pub fn start(target: Arc<Target>, drafter: Option<Arc<Drafter>>, datastore: Option<Arc<Datastore>>, cfg: EngineConfig) -> Result<(EngineHandle, std::thread::JoinHandle<()>)> {
+    if cfg.max_batch == 0 || cfg.queue == 0 {
+        return Err(Error::InvalidArgument("--max-batch and --queue must be at least 1".into()));
+    }
+    let (tx, rx) = std::sync::mpsc::sync_channel::<Job>(cfg.queue);
+    let metrics = Arc::new(Metrics::default());
+    let m = metrics.clone();
+    let thread = std::thread::Builder::new()
+        .name("selfspec-engine".into())
+        .spawn(move || run(&target, drafter.as_deref(), datastore.as_deref(), &cfg, rx, &m))
+        .map_err(|e| Error::InvalidArgument(format!("cannot start the engine thread: {e}")))?;
+    Ok((EngineHandle { tx, metrics }, thread))
+}
+
+/// A sequence in flight and what its request needs besides.
+struct Active<'d> {
+    seq: Sequence<'d>,
+    job: Job,
+    text: TextStream<'d>,
+    stop: StopMatch,
+    sent_tokens: usize,
+    /// Whether the text stream's held-back bytes were sent (once, at the end).
+    flushed: bool,
+}
+
+fn run(target: &Target, drafter: Option<&Drafter>, datastore: Option<&Datastore>, cfg: &EngineConfig, rx: Receiver<Job>, m: &Metrics) {
+    let model = &target.model;
+    let mut active: Vec<Active> = Vec::new();
+    let mut open = true;
+    let mut batch_costs = cfg.costs.as_ref().map(LiveCosts::new);
+    // Extra nodes per sequence the batch cut kept lately (drafting is skipped while it is ~0).
+    let mut kept_per_seq = 1.0f64;
+    let mut step_no = 0u64;
+    while open || !active.is_empty() {
+        // Admit: wait when idle, else take what is queued without waiting.
+        while open && active.len() < cfg.max_batch {
+            let job = if active.is_empty() {
+                match rx.recv_timeout(Duration::from_millis(200)) {
+                    Ok(j) => j,
+                    Err(RecvTimeoutError::Timeout) => break,
+                    Err(RecvTimeoutError::Disconnected) => {
+                        open = false;
+                        break;
+                    }
+                }
+            } else {
+                match rx.try_recv() {
+                    Ok(j) => j,
+                    Err(std::sync::mpsc::TryRecvError::Empty) => break,
+                    Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                        open = false;
+                        break;
+                    }
+                }
+            };
+            m.queue_depth.fetch_sub(1, Ordering::SeqCst);
+            m.requests.fetch_add(1, Ordering::Relaxed);
+            m.prompt_tokens.fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
+            let rule = Rule::for_params(&job.params, false);
+            let opts = SpecOptions {
+                tree: cfg.tree.clone(),
+                lookup: cfg.lookup,
+                datastore,
+                rule,
+                params: job.params.clone(),
+                stop: StopRule { max_new_tokens: job.max_tokens, eos_ids: &target.tokenizer.eos_ids },
+            };
+            match Sequence::new(model, drafter, &job.prompt, opts, rng(job.seed)) {
+                Ok(seq) => {
+                    let stop = StopMatch::new(job.stop.clone());
+                    active.push(Active { seq, job, text: TextStream::new(&target.tokenizer), stop, sent_tokens: 0, flushed: false });
+                }
+                Err(e) => {
+                    m.requests_failed.fetch_add(1, Ordering::Relaxed);
+                    let _ = job.events.send(Event::Failed(e.to_string()));
+                }
+            }
+        }
+        if active.is_empty() {
+            continue;
+        }
+        m.batch_size.store(active.len(), Ordering::Relaxed);
+        step_no += 1;
+        if let Err(e) = step(model, &mut active, &mut batch_costs, &mut kept_per_seq, step_no, m) {
+            // A failed forward leaves every cache in an unknown state: end all of them, loudly.
+            for a in active.drain(..) {
+                m.requests_failed.fetch_add(1, Ordering::Relaxed);
+                let _ = a.job.events.send(Event::Failed(format!("decoding failed: {e}")));
+            }
+            continue;
+        }
+        // Retire finished and abandoned sequences (dropping one frees its KV cache).
+        let mut i = 0;
+        while i < active.len() {
+            let a = &active[i];
+            if a.job.events.is_closed() {
+                m.requests_cancelled.fetch_add(1, Ordering::Relaxed);
+                active.swap_remove(i);
+            } else if a.seq.is_done() {
+                let mut a = active.swap_remove(i);
+                deliver(&mut a, m);
+                finish(a, m);
+            } else {
+                i += 1;
+            }
+        }
+    }
+}
+
+/// One forward over every active sequence.
+fn step(model: &crate::model::Llama, active: &mut [Active], batch_costs: &mut Option<LiveCosts>, kept_per_seq: &mut f64, step_no: u64, m: &Metrics) -> Result<()> {
+    let t0 = Instant::now();
+    let decoding = active.iter().filter(|a| a.seq.is_decoding()).count();
+    // Drafting buys nothing when the batch cut has lately kept no nodes: skip it, and look
+    // again every 8th step in case the load has changed.
+    let draft = decoding <= 1 || *kept_per_seq > 0.05 || step_no % 8 == 0;
+    let mut prefill_left = PREFILL_TOKENS_PER_STEP;
+    let mut works: Vec<Option<Work>> = Vec::with_capacity(active.len());
+    for a in active.iter_mut() {
+        let w = if a.seq.is_decoding() {
+            a.seq.next_work(model, 0, draft)?
+        } else if prefill_left > 0 {
+            let w = a.seq.next_work(model, prefill_left, draft)?;
+            prefill_left -= w.as_ref().map_or(0, |w| w.tokens().len());
+            w
+        } else {
+            None
+        };
+        works.push(w);
+    }
+    // Cut the trees: alone, as generate cuts (by the sequence's own costs); together, by the
+    // batch's cost curve.
+    let trees: Vec<usize> = (0..active.len()).filter(|&i| matches!(works[i], Some(Work::Tree { .. })) && active[i].seq.is_auto()).collect();
+    if decoding == 1 || batch_costs.is_none() {
+        for &i in &trees {
+            let w = works[i].take().expect("a tree");
+            works[i] = Some(active[i].seq.cut(w)?);
+        }
+    } else if !trees.is_empty() {
+        let costs = batch_costs.as_ref().expect("checked").curve();
+        let fixed_ms: f64 = trees.iter().map(|&i| {
+            let s = active[i].seq.stats();
+            s.time.draft * 1e3 / s.gen.target_forwards.max(1) as f64
+        }).sum();
+        let prefill_rows: usize = works.iter().flatten().filter(|w| matches!(w, Work::Prefill { .. })).map(|w| w.tokens().len()).sum();
+        let plain_roots = works.iter().flatten().filter(|w| matches!(w, Work::Tree { .. })).count() - trees.len();
+        let ests: Vec<(crate::draft::tree::Tree, Vec<f64>)> = trees.iter().map(|&i| match &works[i] {
+            Some(Work::Tree { draft, .. }) => (draft.tree.clone(), active[i].seq.estimates(draft)),
+            _ => unreachable!("filtered to trees"),
+        }).collect();
+        let refs: Vec<(&crate::draft::tree::Tree, Vec<f64>)> = ests.iter().map(|(t, e)| (t, e.clone())).collect();
+        // Rows that run anyway (prompt chunks, plain roots) shift where the trees' rows start.
+        let shifted = shift_costs(&costs, prefill_rows + plain_roots);
+        let keep = choose_nodes_batch(&refs, &shifted, fixed_ms);
+        let mut extra = 0usize;
+        for (k, &i) in trees.iter().enumerate() {
+            extra += keep[k].len() - 1;
+            let w = works[i].take().expect("a tree");
+            works[i] = Some(active[i].seq.restrict(w, &keep[k])?);
+        }
+        if draft {
+            *kept_per_seq = 0.7 * *kept_per_seq + 0.3 * extra as f64 / trees.len() as f64;
+        }
+    }
+    // One forward over everything.
+    let idx: Vec<usize> = (0..active.len()).filter(|&i| works[i].is_some()).collect();
+    if idx.is_empty() {
+        return Ok(());
+    }
+    let prompt_done: Vec<bool> = idx.iter().map(|&i| works[i].as_ref().is_some_and(|w| w.tokens().len() >= active[i].seq.prompt_left())).collect();
+    let rows: usize = idx.iter().map(|&i| works[i].as_ref().map_or(0, |w| w.tokens().len())).sum();
+    let t_fwd = Instant::now();
+    let hidden = {
+        let mut entries: Vec<BatchEntry> = Vec::with_capacity(idx.len());
+        let mut it = active.iter_mut().zip(works.iter()).filter_map(|(a, w)| w.as_ref().map(|w| (a, w)));
+        for (a, w) in it.by_ref() {
+            entries.push(BatchEntry { tokens: w.tokens(), positions: w.positions(), mask: w.mask(), cache: a.seq.cache_mut() });
+        }
+        model.forward_batch(&mut entries)?
+    };
+    // Logits of the rows that need them, in one lm_head call.
+    let mut offsets = Vec::with_capacity(idx.len());
+    let mut logit_idx: Vec<u32> = Vec::new();
+    let mut off = 0;
+    for (k, &i) in idx.iter().enumerate() {
+        let w = works[i].as_ref().expect("some");
+        let r = w.logit_rows(prompt_done[k]);
+        offsets.push((off, logit_idx.len(), r.len()));
+        logit_idx.extend(r.map(|j| (off + j) as u32));
+        off += w.tokens().len();
+    }
+    let logits = if logit_idx.is_empty() {
+        None
+    } else {
+        let sel = hidden.index_select(&Tensor::new(logit_idx.as_slice(), hidden.device())?, 0)?;
+        Some(model.logits(&sel)?)
+    };
+    let ms = t_fwd.elapsed().as_secs_f64() * 1e3;
+    if let Some(c) = batch_costs.as_mut() {
+        c.observe(rows, ms);
+    }
+    m.forwards.fetch_add(1, Ordering::Relaxed);
+    m.forward_rows.fetch_add(rows as u64, Ordering::Relaxed);
+    let mut emitted_total = 0;
+    for (k, &i) in idx.iter().enumerate() {
+        let w = works[i].take().expect("some");
+        let (o, lo, ln) = offsets[k];
+        let h = hidden.narrow(0, o, w.tokens().len())?;
+        let l = match &logits {
+            Some(l) if ln > 0 => Some(l.narrow(0, lo, ln)?),
+            _ => None,
+        };
+        let a = &mut active[i];
+        let was_decoding = a.seq.is_decoding();
+        let n = a.seq.finish_work(model, w, h, l, rows, ms, &mut |_, _| Ok(()))?;
+        if was_decoding {
+            m.sequence_steps.fetch_add(1, Ordering::Relaxed);
+            m.decode_tokens.fetch_add(n as u64, Ordering::Relaxed);
+        }
+        emitted_total += n;
+        deliver(a, m);
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    m.busy_micros.fetch_add((secs * 1e6) as u64, Ordering::Relaxed);
+    if emitted_total > 0 {
+        m.last_tok_s_milli.store((emitted_total as f64 / secs * 1e3) as u64, Ordering::Relaxed);
+    }
+    Ok(())
+}
+
+/// The curve as seen by rows that start after `base` rows already in the forward.
+fn shift_costs(c: &CostCurve, base: usize) -> CostCurve {
+    if base == 0 {
+        return c.clone();
+    }
+    let n = c.max_tokens();
+    let pts: Vec<(usize, f64)> = (1..=n).map(|t| (t, c.at(t + base))).collect();
+    CostCurve::from_points(&pts, n).unwrap_or_else(|_| c.clone())
+}
+
+/// Send a sequence's new tokens, one event per token (its text, holding back what might be
+/// the start of a stop string and incomplete UTF-8), and end it when a stop string appears.
+fn deliver(a: &mut Active, m: &Metrics) {
+    let out = a.seq.output().to_vec();
+    let eos = a.seq.ended_on_eos() && a.seq.is_done();
+    let last = a.seq.is_done() && !a.flushed;
+    let new = a.sent_tokens..out.len();
+    m.completion_tokens.fetch_add(new.len() as u64, Ordering::Relaxed);
+    m.accepted_draft_tokens.fetch_add(a.seq.stats().drafted[new.clone()].iter().filter(|&&d| d).count() as u64, Ordering::Relaxed);
+    for j in new {
+        let drafted = a.seq.stats().drafted.get(j).copied().unwrap_or(false);
+        // The end-of-sequence token is not part of the answer's text.
+        let mut piece = if eos && j + 1 == out.len() {
+            String::new()
+        } else {
+            match a.text.push(out[j]) {
+                Ok(p) => p.unwrap_or_default(),
+                Err(e) => {
+                    let _ = a.job.events.send(Event::Failed(e.to_string()));
+                    a.seq.stop();
+                    return;
+                }
+            }
+        };
+        let end = last && j + 1 == out.len();
+        if end {
+            if let Ok(Some(s)) = a.text.finish() {
+                piece.push_str(&s);
+            }
+        }
+        let (text, stopped) = a.stop.push(&piece, end);
+        let _ = a.job.events.send(Event::Text { text, tokens: vec![(out[j], drafted)] });
+        if stopped {
+            a.seq.stop();
+            break;
+        }
+    }
+    if last {
+        a.flushed = true;
+        // Done without a new token (the context filled): send what was held back.
+        if a.sent_tokens == out.len() {
+            let mut piece = a.text.finish().ok().flatten().unwrap_or_default();
+            let (text, _) = a.stop.push(&std::mem::take(&mut piece), true);
+            if !text.is_empty() {
+                let _ = a.job.events.send(Event::Text { text, tokens: Vec::new() });
+            }
+        }
+    }
+    a.sent_tokens = out.len();
+}
+
+fn finish(a: Active, m: &Metrics) {
+    let hit_stop = a.stop.hit;
+    let eos = a.seq.ended_on_eos();
+    let seed = a.job.seed;
+    let events = a.job.events.clone();
+    let (out, stats, _) = a.seq.finish();
+    let accepted = stats.drafted.iter().filter(|&&d| d).count();
+    let summary = Summary {
+        finish_reason: if hit_stop || eos { "stop" } else { "length" },
+        prompt_tokens: stats.gen.prompt_tokens,
+        completion_tokens: out.len(),
+        target_forwards: stats.gen.target_forwards,
+        tau: stats.tau(),
+        accepted_draft_tokens: accepted,
+        seed,
+    };
+    if summary.finish_reason == "length" {
+        m.requests_length.fetch_add(1, Ordering::Relaxed);
+    }
+    let _ = events.send(Event::Done(summary));
+}
+
+/// Stop strings over streamed text: passes text on, holding back a tail that could still grow
+/// into a stop string, and cuts the answer where one appears.
+pub struct StopMatch {
+    stops: Vec<String>,
+    pending: String,
+    pub hit: bool,
+}
+
+impl StopMatch {
+    pub fn new(stops: Vec<String>) -> Self {
+        StopMatch { stops: stops.into_iter().filter(|s| !s.is_empty()).collect(), pending: String::new(), hit: false }
+    }
+
+    /// Add `text`; returns what may be sent now and whether a stop string was found (the text
+    /// before it is returned, the rest dropped). `last`: no more text will come.
+    pub fn push(&mut self, text: &str, last: bool) -> (String, bool) {
+        if self.hit {
+            return (String::new(), true);
+        }
+        self.pending.push_str(text);
+        if let Some(at) = self.stops.iter().filter_map(|s| self.pending.find(s.as_str())).min() {
+            self.hit = true;
+            let out = self.pending[..at].to_string();
+            self.pending.clear();
+            return (out, true);
+        }
+        if last {
+            return (std::mem::take(&mut self.pending), false);
+        }
+        // Hold back the longest tail that is a proper prefix of some stop string.
+        let mut keep = 0;
+        for s in &self.stops {
+            for (n, _) in s.char_indices().skip(1) {
+                if self.pending.ends_with(&s[..n]) {
+                    keep = keep.max(n);
+                }
+            }
+        }
+        let cut = self.pending.len() - keep;
+        let out = self.pending[..cut].to_string();
+        self.pending.drain(..cut);
+        (out, false)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_strings_cut_the_answer_and_hold_back_partial_matches() {
+        let mut s = StopMatch::new(vec!["\n\nUser:".into(), "END".into()]);
+        assert_eq!(s.push("Hello", false), ("Hello".into(), false));
+        assert_eq!(s.push(" world\n", false), (" world".into(), false), "a newline may start a stop string");
+        assert_eq!(s.push("\nUs", false), (String::new(), false));
+        assert_eq!(s.push("x", false), ("\n\nUsx".into(), false), "no longer a prefix");
+        assert_eq!(s.push("EN", false), (String::new(), false));
+        assert_eq!(s.push("D and more", false), (String::new(), true));
+        assert_eq!(s.push("anything", false), (String::new(), true), "stays stopped");
+        let mut t = StopMatch::new(vec!["xyz".into()]);
+        assert_eq!(t.push("abc x", false), ("abc ".into(), false));
+        assert_eq!(t.push("", true), ("x".into(), false), "the held-back tail is sent at the end");
+        let mut none = StopMatch::new(vec![]);
+        assert_eq!(none.push("é", false), ("é".into(), false));
+    }
+
+    #[test]
+    fn shifted_costs_start_where_the_rows_already_in_the_forward_end() {
+        let c = CostCurve::from_points(&[(1, 10.0), (4, 13.0), (8, 21.0)], 8).unwrap();
+        let s = shift_costs(&c, 3);
+        assert_eq!(s.at(1), c.at(4));
+        assert_eq!(s.at(5), c.at(8));
+        assert_eq!(shift_costs(&c, 0), c);
+    }
+}

@@ -1,0 +1,275 @@
+//! The HTTP side (axum): OpenAI's endpoints, `/health`, `/metrics` and the page at `/`.
+//! Handlers parse, check and tokenize; the engine decodes; its events become a JSON answer or
+//! server-sent events. A client that goes away drops its receiver, which the engine sees and
+//! ends the sequence (freeing its KV cache).
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::middleware::Next;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+use tokio_stream::wrappers::UnboundedReceiverStream;
+
+use crate::model::loader::Target;
+use crate::serve::api::{parse, ApiError, ChatRequest, CompletionRequest, Decoding};
+use crate::serve::engine::{EngineHandle, Event, Job, Refused, Summary};
+
+/// The page at `/`: one self-contained file (no framework, no CDN).
+pub const PAGE: &str = include_str!("page.html");
+
+/// What every handler shares.
+pub struct AppState {
+    pub engine: EngineHandle,
+    pub target: Arc<Target>,
+    /// The name requests must give as `model`.
+    pub model_name: String,
+    pub api_key: Option<String>,
+    pub drafter: Option<String>,
+    pub started: u64,
+    pub next_id: AtomicU64,
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::BAD_REQUEST);
+        (status, Json(self.body())).into_response()
+    }
+}
+
+fn now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// The router: the API under `/v1` (behind the key when there is one), the rest open.
+pub fn router(state: Arc<AppState>, body_limit: usize) -> Router {
+    let api = Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/metrics", get(metrics))
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth));
+    Router::new()
+        .route("/", get(|| async { Html(PAGE) }))
+        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .merge(api)
+        .fallback(|| async { ApiError { status: 404, message: "no such endpoint".into(), kind: "invalid_request_error", param: None, code: Some("not_found") } })
+        .layer(tower_http::limit::RequestBodyLimitLayer::new(body_limit))
+        .with_state(state)
+}
+
+async fn auth(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    if let Some(key) = &s.api_key {
+        let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+        if given != Some(key.as_str()) {
+            return ApiError { status: 401, message: "a valid API key is required (Authorization: Bearer KEY)".into(), kind: "invalid_request_error", param: None, code: Some("invalid_api_key") }.into_response();
+        }
+    }
+    next.run(req).await
+}
+
+async fn models(State(s): State<Arc<AppState>>) -> Json<Value> {
+    Json(json!({"object": "list", "data": [{"id": s.model_name, "object": "model", "created": s.started, "owned_by": "selfspec",
+        "selfspec": {"path": s.target.path.display().to_string(), "weights": s.target.model.weight_format().to_string(), "context": s.target.model.config().max_position, "drafter": s.drafter}}]}))
+}
+
+async fn metrics(State(s): State<Arc<AppState>>) -> impl IntoResponse {
+    let m = &s.engine.metrics;
+    let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    let steps = g(&m.sequence_steps);
+    let decode_tokens = g(&m.decode_tokens);
+    let busy = g(&m.busy_micros) as f64 / 1e6;
+    let mut out = String::new();
+    let mut put = |name: &str, kind: &str, help: &str, v: f64| {
+        out.push_str(&format!("# HELP selfspec_{name} {help}\n# TYPE selfspec_{name} {kind}\nselfspec_{name} {v}\n"));
+    };
+    put("requests_total", "counter", "Requests admitted to decoding.", g(&m.requests) as f64);
+    put("requests_failed_total", "counter", "Requests that ended in an error.", g(&m.requests_failed) as f64);
+    put("requests_rejected_total", "counter", "Requests refused because the queue was full.", g(&m.requests_rejected) as f64);
+    put("requests_cancelled_total", "counter", "Requests whose client went away before the end.", g(&m.requests_cancelled) as f64);
+    put("requests_length_total", "counter", "Requests that ran out of tokens rather than stopping.", g(&m.requests_length) as f64);
+    put("prompt_tokens_total", "counter", "Prompt tokens read.", g(&m.prompt_tokens) as f64);
+    put("completion_tokens_total", "counter", "Tokens generated.", g(&m.completion_tokens) as f64);
+    put("accepted_draft_tokens_total", "counter", "Generated tokens the drafter proposed and the target accepted.", g(&m.accepted_draft_tokens) as f64);
+    put("sequence_steps_total", "counter", "Decode steps summed over sequences (one per sequence per forward).", steps as f64);
+    put("forwards_total", "counter", "Target forwards (each over every active sequence).", g(&m.forwards) as f64);
+    put("forward_rows_total", "counter", "Rows (tree nodes and prompt tokens) through the target.", g(&m.forward_rows) as f64);
+    put("tau", "gauge", "Tokens emitted per target forward per sequence, the bonus token counted (plain decoding = 1.0).", if steps == 0 { 1.0 } else { decode_tokens as f64 / steps as f64 });
+    put("accepted_tokens_per_step", "gauge", "Drafted tokens accepted per sequence-step.", if steps == 0 { 0.0 } else { g(&m.accepted_draft_tokens) as f64 / steps as f64 });
+    put("tokens_per_second", "gauge", "Generated tokens per second of decoding (busy time).", if busy > 0.0 { g(&m.completion_tokens) as f64 / busy } else { 0.0 });
+    put("last_step_tokens_per_second", "gauge", "Tokens per second of the last step.", g(&m.last_tok_s_milli) as f64 / 1e3);
+    put("queue_depth", "gauge", "Requests waiting for a place in the batch.", m.queue_depth.load(Ordering::Relaxed) as f64);
+    put("batch_size", "gauge", "Sequences in the last step.", m.batch_size.load(Ordering::Relaxed) as f64);
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out)
+}
+
+/// Which endpoint answers: shapes its JSON.
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    Chat,
+    Completion,
+}
+
+async fn chat(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
+    let run = || -> Result<(Vec<u32>, Decoding), ApiError> {
+        let req: ChatRequest = parse(&body)?;
+        let d = req.common.decoding(&s.model_name)?;
+        let messages = req.messages()?;
+        let ids = s.target.prompt_ids(&messages).map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
+        Ok((ids, d))
+    };
+    match run() {
+        Ok((ids, d)) => answer(&s, Kind::Chat, ids, d).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn completions(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
+    let run = || -> Result<(Vec<u32>, Decoding), ApiError> {
+        let req: CompletionRequest = parse(&body)?;
+        let d = req.common.decoding(&s.model_name)?;
+        let ids = s.target.tokenizer.encode(&req.prompt()?, true).map_err(|e| ApiError::invalid(Some("prompt"), e.to_string()))?;
+        Ok((ids, d))
+    };
+    match run() {
+        Ok((ids, d)) => answer(&s, Kind::Completion, ids, d).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Queue the request and answer it, whole or streamed.
+async fn answer(s: &Arc<AppState>, kind: Kind, ids: Vec<u32>, d: Decoding) -> Response {
+    let context = s.target.model.config().max_position;
+    if ids.is_empty() {
+        return ApiError::invalid(Some("prompt"), "the prompt is empty").into_response();
+    }
+    if ids.len() >= context {
+        return ApiError { status: 400, message: format!("the prompt is {} tokens; this model's context is {context}", ids.len()), kind: "invalid_request_error", param: Some("messages".into()), code: Some("context_length_exceeded") }.into_response();
+    }
+    let seed = d.seed.unwrap_or_else(|| now() ^ s.next_id.load(Ordering::Relaxed).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    let (tx, rx) = unbounded_channel();
+    let job = Job { prompt: ids, params: d.params.clone(), max_tokens: d.max_tokens, seed, stop: d.stop.clone(), events: tx };
+    match s.engine.submit(job) {
+        Ok(()) => {}
+        Err(Refused::Full) => {
+            let mut r = ApiError { status: 503, message: "the server is at capacity; try again shortly".into(), kind: "server_error", param: None, code: Some("server_busy") }.into_response();
+            r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            return r;
+        }
+        Err(Refused::Stopped) => return ApiError { status: 503, message: "the server is shutting down".into(), kind: "server_error", param: None, code: None }.into_response(),
+    }
+    let id = format!("{}-{}", if kind == Kind::Chat { "chatcmpl" } else { "cmpl" }, s.next_id.fetch_add(1, Ordering::Relaxed));
+    let meta = Meta { id, created: now(), model: s.model_name.clone(), kind };
+    if d.stream {
+        stream(meta, rx, d.include_usage).into_response()
+    } else {
+        whole(meta, rx).await
+    }
+}
+
+struct Meta {
+    id: String,
+    created: u64,
+    model: String,
+    kind: Kind,
+}
+
+impl Meta {
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.kind, chunk) {
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Chat, true) => "chat.completion.chunk",
+            (Kind::Completion, _) => "text_completion",
+        }
+    }
+}
+
+fn usage(sum: &Summary) -> Value {
+    json!({"prompt_tokens": sum.prompt_tokens, "completion_tokens": sum.completion_tokens, "total_tokens": sum.prompt_tokens + sum.completion_tokens})
+}
+
+/// selfspec's extension field: τ counts the bonus token (plain decoding = 1.0).
+fn extension(sum: &Summary) -> Value {
+    json!({"tau": sum.tau, "accepted_draft_tokens": sum.accepted_draft_tokens, "target_forwards": sum.target_forwards, "seed": sum.seed})
+}
+
+async fn whole(meta: Meta, mut rx: UnboundedReceiver<Event>) -> Response {
+    let mut text = String::new();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            Event::Text { text: t, .. } => text.push_str(&t),
+            Event::Failed(e) => return ApiError { status: 500, message: e, kind: "server_error", param: None, code: None }.into_response(),
+            Event::Done(sum) => {
+                let choice = match meta.kind {
+                    Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": sum.finish_reason, "logprobs": null}),
+                    Kind::Completion => json!({"index": 0, "text": text, "finish_reason": sum.finish_reason, "logprobs": null}),
+                };
+                return Json(json!({"id": meta.id, "object": meta.object(false), "created": meta.created, "model": meta.model, "choices": [choice], "usage": usage(&sum), "selfspec": extension(&sum)})).into_response();
+            }
+        }
+    }
+    ApiError { status: 500, message: "the engine stopped before the answer was complete".into(), kind: "server_error", param: None, code: None }.into_response()
+}
+
+/// Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`. A task forwards the
+/// engine's events and drops them (so the engine ends the sequence) when the client is gone.
+fn stream(meta: Meta, mut rx: UnboundedReceiver<Event>, include_usage: bool) -> impl IntoResponse {
+    let (tx, out) = unbounded_channel::<Result<SseEvent, Infallible>>();
+    tokio::spawn(async move {
+        let chunk = |delta: Value, finish: Option<&str>, extra: Option<Value>| -> SseEvent {
+            let choice = match meta.kind {
+                Kind::Chat => json!({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": null}),
+                Kind::Completion => json!({"index": 0, "text": delta.get("content").cloned().unwrap_or(json!("")), "finish_reason": finish, "logprobs": null}),
+            };
+            let mut v = json!({"id": meta.id, "object": meta.object(true), "created": meta.created, "model": meta.model, "choices": [choice]});
+            if let Some(x) = extra {
+                v["selfspec"] = x;
+            }
+            SseEvent::default().data(v.to_string())
+        };
+        if meta.kind == Kind::Chat {
+            let _ = tx.send(Ok(chunk(json!({"role": "assistant", "content": ""}), None, None)));
+        }
+        loop {
+            let ev = tokio::select! {
+                ev = rx.recv() => ev,
+                _ = tx.closed() => return,
+            };
+            let Some(ev) = ev else { break };
+            let sent = match ev {
+                Event::Text { text, tokens } => {
+                    let marks: Vec<Value> = tokens.iter().map(|&(id, d)| json!([id, d])).collect();
+                    tx.send(Ok(chunk(json!({"content": text}), None, Some(json!({"tokens": marks})))))
+                }
+                Event::Failed(e) => {
+                    let _ = tx.send(Ok(SseEvent::default().data(ApiError { status: 500, message: e, kind: "server_error", param: None, code: None }.body().to_string())));
+                    break;
+                }
+                Event::Done(sum) => {
+                    let mut last = chunk(json!({}), Some(sum.finish_reason), Some(extension(&sum)));
+                    if include_usage {
+                        let mut v = json!({"id": meta.id, "object": meta.object(true), "created": meta.created, "model": meta.model, "choices": [], "usage": usage(&sum), "selfspec": extension(&sum)});
+                        v["usage"] = usage(&sum);
+                        let _ = tx.send(Ok(last));
+                        last = SseEvent::default().data(v.to_string());
+                    }
+                    let _ = tx.send(Ok(last));
+                    break;
+                }
+            };
+            if sent.is_err() {
+                return;
+            }
+        }
+        let _ = tx.send(Ok(SseEvent::default().data("[DONE]")));
+    });
+    Sse::new(UnboundedReceiverStream::new(out)).keep_alive(KeepAlive::default())
+}

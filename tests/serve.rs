@@ -1,0 +1,237 @@
+//! The server: a request's tokens equal `generate`'s whatever is served beside it (greedy and
+//! seeded sampling, 8 at once), and its edges answer as OpenAI's API does (400, 401, 404, 413,
+//! 503 with Retry-After, cancellation on disconnect, stop strings).
+mod common;
+
+use std::path::PathBuf;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use candle_core::Device;
+use common::*;
+use http_body_util::BodyExt;
+use selfspec::cpu::quant::WeightFormat;
+use selfspec::decode::generate::{generate_plain, StopRule};
+use selfspec::decode::sampling::{rng, SamplingParams};
+use selfspec::draft::drafter::{Drafter, DRAFTING_FORMAT};
+use selfspec::model::loader::Target;
+use selfspec::model::tokenizer::Message;
+use selfspec::serve::{http, prepare, ServeConfig};
+use selfspec::spec::plan::{Plan, DEFAULT_TREE};
+use selfspec::spec::verify::Rule;
+use selfspec::spec::{generate_spec, SpecOptions};
+use serde_json::{json, Value};
+use tower::ServiceExt;
+
+fn layer_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/drafters/smollm2-layer")
+}
+
+fn load() -> (Target, Drafter) {
+    let t = Target::load_with(&smollm2_path(), &Device::Cpu, WeightFormat::Native).unwrap();
+    let mut d = Drafter::from_dir_noted(&layer_dir(), &t, DRAFTING_FORMAT).unwrap().0;
+    d.release_f32_weights();
+    (t, d)
+}
+
+fn config(max_batch: usize, queue: usize, api_key: Option<&str>) -> ServeConfig {
+    ServeConfig {
+        addr: "127.0.0.1:0".parse().unwrap(),
+        model_name: "smollm2".into(),
+        plan: Plan::parse(DEFAULT_TREE).unwrap(),
+        max_batch,
+        queue,
+        body_limit: 64 * 1024,
+        api_key: api_key.map(str::to_string),
+        drafter_path: None,
+    }
+}
+
+async fn call(app: &axum::Router, path: &str, body: Value, key: Option<&str>) -> (StatusCode, Value, Option<String>) {
+    let mut req = Request::post(path).header("content-type", "application/json");
+    if let Some(k) = key {
+        req = req.header("authorization", format!("Bearer {k}"));
+    }
+    let resp = app.clone().oneshot(req.body(Body::from(body.to_string())).unwrap()).await.unwrap();
+    let status = resp.status();
+    let retry = resp.headers().get("retry-after").map(|v| v.to_str().unwrap().to_string());
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    (status, serde_json::from_slice(&bytes).unwrap_or(Value::Null), retry)
+}
+
+fn prompts() -> Vec<String> {
+    let p = selfspec::data::read_prompts(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/prompts/eval.jsonl")).unwrap();
+    p.iter().take(8).map(|x| x.turns[0].clone()).collect()
+}
+
+#[test]
+fn eight_concurrent_requests_get_exactly_what_generate_gives_them() {
+    let (target, drafter) = load();
+    let prompts = prompts();
+    let sampled = SamplingParams { temperature: 0.8, top_p: 0.95, frequency_penalty: 0.2, ..Default::default() };
+    // What `generate` gives, alone, for each prompt: greedy, and sampled with seed 100 + i.
+    let plan = Plan::parse(DEFAULT_TREE).unwrap();
+    let mut want = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        let ids = target.prompt_ids(&[Message { role: "user".into(), content: p.clone() }]).unwrap();
+        for (params, seed) in [(SamplingParams::greedy(), 0u64), (sampled.clone(), 100 + i as u64)] {
+            let stop = StopRule { max_new_tokens: 48, eos_ids: &target.tokenizer.eos_ids };
+            let opts = SpecOptions { tree: plan.tree.clone(), lookup: plan.lookup, datastore: None, rule: Rule::for_params(&params, false), params: params.clone(), stop };
+            let (out, _) = generate_spec(&target.model, &drafter, &ids, &opts, &mut rng(seed), &mut |_| Ok(())).unwrap();
+            let (plain, _) = generate_plain(&target.model, &ids, &params, &stop, &mut rng(seed), &mut |_| Ok(())).unwrap();
+            assert_eq!(out, plain, "prompt {i}: speculative and plain decoding differ");
+            let eos = target.tokenizer.eos_ids.contains(out.last().unwrap());
+            let text = target.tokenizer.decode(&out[..out.len() - eos as usize]).unwrap();
+            want.push((text, out.len()));
+        }
+    }
+    let (state, engine) = prepare(target, Some(drafter), None, &config(8, 64, None)).unwrap();
+    let app = http::router(state, 64 * 1024);
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    rt.block_on(async {
+        // All sixteen at once: eight decode side by side, eight wait in the queue and join as
+        // places free up, so every request shares its forwards with varying company.
+        let mut tasks = Vec::new();
+        for (i, p) in prompts.iter().enumerate() {
+            for (temp, seed) in [(0.0, 0u64), (0.8, 100 + i as u64)] {
+                let mut body = json!({"model": "smollm2", "messages": [{"role": "user", "content": p}], "temperature": temp, "max_tokens": 48, "seed": seed});
+                if temp > 0.0 {
+                    body["top_p"] = json!(0.95);
+                    body["frequency_penalty"] = json!(0.2);
+                }
+                let app = app.clone();
+                tasks.push(tokio::spawn(async move { call(&app, "/v1/chat/completions", body, None).await }));
+            }
+        }
+        let mut drafted = 0;
+        for (k, t) in tasks.into_iter().enumerate() {
+            let (status, v, _) = t.await.unwrap();
+            assert_eq!(status, StatusCode::OK, "{v}");
+            let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+            assert_eq!(text, want[k].0, "request {k} ({} prompt {}) differs from generate", if k % 2 == 0 { "greedy" } else { "sampled" }, k / 2);
+            assert_eq!(v["usage"]["completion_tokens"].as_u64().unwrap() as usize, want[k].1);
+            drafted += v["selfspec"]["accepted_draft_tokens"].as_u64().unwrap();
+            assert!(v["selfspec"]["tau"].as_f64().unwrap() >= 1.0);
+        }
+        assert!(drafted > 50, "the drafter hardly ran ({drafted} accepted tokens): the test shows nothing");
+        // Streaming gives the same text in OpenAI's chunks, ending with [DONE].
+        let body = json!({"model": "smollm2", "messages": [{"role": "user", "content": prompts[0]}], "temperature": 0, "max_tokens": 48, "stream": true});
+        let resp = app.clone().oneshot(Request::post("/v1/chat/completions").header("content-type", "application/json").body(Body::from(body.to_string())).unwrap()).await.unwrap();
+        assert_eq!(resp.headers()["content-type"], "text/event-stream");
+        let raw = String::from_utf8(resp.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap();
+        let events: Vec<&str> = raw.split("\n\n").filter_map(|e| e.strip_prefix("data: ")).collect();
+        assert_eq!(*events.last().unwrap(), "[DONE]");
+        let mut text = String::new();
+        let mut marks = 0;
+        for e in &events[..events.len() - 1] {
+            let v: Value = serde_json::from_str(e).unwrap();
+            assert_eq!(v["object"], "chat.completion.chunk");
+            text.push_str(v["choices"][0]["delta"]["content"].as_str().unwrap_or(""));
+            marks += v["selfspec"]["tokens"].as_array().map_or(0, |a| a.iter().filter(|m| m[1] == json!(true)).count());
+        }
+        assert_eq!(text, want[0].0);
+        assert!(marks > 0, "no token was marked as drafted");
+        let m = app.clone().oneshot(Request::get("/metrics").body(Body::empty()).unwrap()).await.unwrap();
+        let m = String::from_utf8(m.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap();
+        let requests: f64 = m.lines().find_map(|l| l.strip_prefix("selfspec_requests_total ")).unwrap().parse().unwrap();
+        assert_eq!(requests, 17.0);
+        assert!(m.contains("selfspec_tau ") && m.contains("# TYPE selfspec_batch_size gauge"), "{m}");
+    });
+    drop(app);
+    rt.shutdown_background();
+    engine.join().unwrap();
+}
+
+#[test]
+fn bad_requests_get_openai_errors_and_the_server_keeps_going() {
+    let (target, drafter) = load();
+    let context = target.model.config().max_position;
+    let (state, engine) = prepare(target, Some(drafter), None, &config(1, 1, Some("sesame"))).unwrap();
+    let app = http::router(state, 64 * 1024);
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    rt.block_on(async {
+        let key = Some("sesame");
+        let ok = json!({"model": "smollm2", "prompt": "The capital of France is", "temperature": 0, "max_tokens": 4});
+        let (s, v, _) = call(&app, "/v1/completions", ok.clone(), None).await;
+        assert_eq!((s, v["error"]["code"].as_str()), (StatusCode::UNAUTHORIZED, Some("invalid_api_key")));
+        let (s, _, _) = call(&app, "/v1/completions", ok.clone(), Some("wrong")).await;
+        assert_eq!(s, StatusCode::UNAUTHORIZED);
+        let (s, v, _) = call(&app, "/v1/completions", ok.clone(), key).await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        assert_eq!(v["object"], "text_completion");
+        assert!(!v["choices"][0]["text"].as_str().unwrap().is_empty());
+        // Malformed JSON, an unknown model, unsupported parameters, a prompt past the context.
+        let resp = app.clone().oneshot(Request::post("/v1/chat/completions").header("authorization", "Bearer sesame").body(Body::from("{\"model\": ")).unwrap()).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
+        let (s, v, _) = call(&app, "/v1/chat/completions", json!({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}), key).await;
+        assert_eq!((s, v["error"]["code"].as_str()), (StatusCode::NOT_FOUND, Some("model_not_found")));
+        let (s, v, _) = call(&app, "/v1/chat/completions", json!({"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "n": 3}), key).await;
+        assert_eq!((s, v["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some("n")));
+        let (s, v, _) = call(&app, "/v1/chat/completions", json!({"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}), key).await;
+        assert_eq!((s, v["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some("tools")));
+        let long = "word ".repeat(context + 10);
+        let (s, v, _) = call(&app, "/v1/completions", json!({"model": "smollm2", "prompt": long.clone()}), key).await;
+        assert_eq!((s, v["error"]["code"].as_str()), (StatusCode::BAD_REQUEST, Some("context_length_exceeded")));
+        // A body over the limit: 413 before it is parsed.
+        let huge = json!({"model": "smollm2", "prompt": "x".repeat(100_000)});
+        let (s, _, _) = call(&app, "/v1/completions", huge, key).await;
+        assert_eq!(s, StatusCode::PAYLOAD_TOO_LARGE);
+        // A stop string ends the answer before it, with finish_reason "stop".
+        let (s, v, _) = call(&app, "/v1/completions", json!({"model": "smollm2", "prompt": "1, 2, 3, 4,", "temperature": 0, "max_tokens": 30, "stop": [" 7"]}), key).await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        let text = v["choices"][0]["text"].as_str().unwrap();
+        assert_eq!(v["choices"][0]["finish_reason"], "stop", "{text:?}");
+        assert!(text.contains('6') && !text.contains('7'), "{text:?}");
+        // One place in the batch and one in the queue: of six long requests at once, some are
+        // refused with 503 and Retry-After, and the rest are answered.
+        let mut tasks = Vec::new();
+        for _ in 0..6 {
+            let app = app.clone();
+            let body = json!({"model": "smollm2", "prompt": "Once upon a time", "temperature": 0, "max_tokens": 120});
+            tasks.push(tokio::spawn(async move { call(&app, "/v1/completions", body, Some("sesame")).await }));
+        }
+        let (mut served, mut refused) = (0, 0);
+        for t in tasks {
+            match t.await.unwrap() {
+                (StatusCode::OK, _, _) => served += 1,
+                (StatusCode::SERVICE_UNAVAILABLE, v, retry) => {
+                    assert_eq!(retry.as_deref(), Some("1"));
+                    assert_eq!(v["error"]["code"], "server_busy");
+                    refused += 1;
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        assert!(served >= 1 && refused >= 1 && served + refused == 6, "{served} served, {refused} refused");
+        // A client that leaves mid-stream: its sequence is cancelled and the server goes on.
+        let body = json!({"model": "smollm2", "prompt": "Once upon a time", "temperature": 0, "max_tokens": 400, "stream": true});
+        let resp = app.clone().oneshot(Request::post("/v1/completions").header("authorization", "Bearer sesame").body(Body::from(body.to_string())).unwrap()).await.unwrap();
+        let mut b = resp.into_body();
+        let first = b.frame().await.unwrap().unwrap();
+        assert!(first.is_data());
+        drop(b);
+        let metrics = async || {
+            let r = app.clone().oneshot(Request::get("/metrics").header("authorization", "Bearer sesame").body(Body::empty()).unwrap()).await.unwrap();
+            String::from_utf8(r.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap()
+        };
+        let mut cancelled = false;
+        for _ in 0..100 {
+            if metrics().await.lines().any(|l| l == "selfspec_requests_cancelled_total 1") {
+                cancelled = true;
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        assert!(cancelled, "{}", metrics().await);
+        let (s, _, _) = call(&app, "/v1/completions", ok, key).await;
+        assert_eq!(s, StatusCode::OK);
+        // The page is served without the key, as one self-contained file.
+        let page = app.clone().oneshot(Request::get("/").body(Body::empty()).unwrap()).await.unwrap();
+        assert_eq!(page.status(), StatusCode::OK);
+        let html = String::from_utf8(page.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap();
+        assert!(html.contains("/v1/chat/completions") && !html.contains("http://") && !html.contains("https://"));
+    });
+    drop(app);
+    rt.shutdown_background();
+    engine.join().unwrap();
+}
