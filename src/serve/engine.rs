@@ -257,7 +257,7 @@ fn step(model: &crate::model::Llama, active: &mut [Active], batch_costs: &mut Op
     let decoding = active.iter().filter(|a| a.seq.is_decoding()).count();
     // Drafting buys nothing when the batch cut has lately kept no nodes: skip it, and look
     // again every 8th step in case the load has changed.
-    let draft = decoding <= 1 || *kept_per_seq > 0.05 || step_no % 8 == 0;
+    let draft = decoding <= 1 || *kept_per_seq > 0.05 || step_no.is_multiple_of(8);
     let mut prefill_left = PREFILL_TOKENS_PER_STEP;
     let mut works: Vec<Option<Work>> = Vec::with_capacity(active.len());
     for a in active.iter_mut() {

@@ -349,6 +349,7 @@ impl<'d> Sequence<'d> {
     /// over `rows` rows in all): `hidden` holds this sequence's rows' final hidden states and
     /// `logits` the logits of its [`Work::logit_rows`]. Verifies, emits (each new token passed
     /// to `on_token` with whether it was drafted) and commits. Returns the tokens emitted.
+    #[allow(clippy::too_many_arguments)]
     pub fn finish_work(&mut self, model: &Llama, work: Work, hidden: Tensor, logits: Option<Tensor>, rows: usize, forward_ms: f64, on_token: &mut dyn FnMut(u32, bool) -> Result<()>) -> Result<usize> {
         let before = self.out.len();
         match (work, &mut self.phase) {
