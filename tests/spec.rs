@@ -322,3 +322,46 @@ fn a_draft_layer_without_its_f32_weights_drafts_the_same() {
     assert!(l.set_format(selfspec::cpu::quant::WeightFormat::Q8_0).is_err());
     assert!(l.save_as(&common::scratch("released-layer"), selfspec::draft::layer::StoreFormat::F32).is_err());
 }
+
+/// A sequence stepped from outside may skip drafting on some steps (the server does under
+/// load): the drafter catches up on the skipped tokens in one call when drafting resumes, the
+/// output stays plain greedy decoding's, and its drafts after a gap are as good as without gaps.
+#[test]
+fn a_sequence_that_skips_drafting_on_some_steps_catches_up_and_stays_exact() {
+    use selfspec::spec::Sequence;
+    let t = smollm2();
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/drafters/smollm2-layer");
+    let drafter = Drafter::from_dir(&dir, &t).unwrap();
+    let prompts = selfspec::data::read_prompts(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/prompts/eval.jsonl")).unwrap();
+    let params = SamplingParams::greedy();
+    let (mut hits_gappy, mut steps_gappy, mut hits_full, mut steps_full) = (0, 0, 0, 0);
+    for item in prompts.iter().take(4) {
+        let ids = t.encode_prompt(&item.turns[0], true).unwrap();
+        let stop = StopRule { max_new_tokens: 80, eos_ids: &t.tokenizer.eos_ids };
+        let (plain, _) = generate_plain(&t.model, &ids, &params, &stop, &mut rng(0), &mut |_| Ok(())).unwrap();
+        for gaps in [false, true] {
+            let opts = SpecOptions { tree: TreeChoice::Static(Tree::chain(3)), lookup: None, datastore: None, rule: Rule::Greedy, params: params.clone(), stop };
+            let mut seq = Sequence::new(&t.model, Some(&drafter), &ids, opts, rng(0)).unwrap();
+            let mut step = 0;
+            while let Some(work) = seq.next_work(&t.model, usize::MAX, !gaps || step % 3 == 0).unwrap() {
+                let drafted = work.tokens().len() > 1;
+                let last = work.tokens().len() >= seq.prompt_left();
+                let hidden = t.model.forward(work.tokens(), work.positions(), work.mask(), seq.cache_mut()).unwrap();
+                let r = work.logit_rows(last);
+                let logits = (!r.is_empty()).then(|| t.model.logits(&hidden.narrow(0, r.start, r.len()).unwrap()).unwrap());
+                let n = work.tokens().len();
+                let emitted = seq.finish_work(&t.model, work, hidden, logits, n, 1.0, &mut |_, _| Ok(())).unwrap();
+                if drafted {
+                    let (h, s) = if gaps { (&mut hits_gappy, &mut steps_gappy) } else { (&mut hits_full, &mut steps_full) };
+                    *h += emitted - 1;
+                    *s += 1;
+                }
+                step += 1;
+            }
+            let (out, _, _) = seq.finish();
+            assert_eq!(out, plain, "{:?}, gaps {gaps}", item.turns[0]);
+        }
+    }
+    let (gappy, full) = (hits_gappy as f64 / steps_gappy as f64, hits_full as f64 / steps_full as f64);
+    assert!(gappy > 0.7 * full && gappy > 0.5, "accepted per drafting step: {gappy:.2} after gaps, {full:.2} without");
+}

@@ -172,8 +172,7 @@ fn run(target: &Target, drafter: Option<&Drafter>, datastore: Option<&Datastore>
     let mut active: Vec<Active> = Vec::new();
     let mut open = true;
     let mut batch_costs = cfg.costs.as_ref().map(LiveCosts::new);
-    // Extra nodes per sequence the batch cut kept lately (drafting is skipped while it is ~0).
-    let mut kept_per_seq = 1.0f64;
+    let mut policy = DraftPolicy::new(cfg.max_batch);
     let mut step_no = 0u64;
     while open || !active.is_empty() {
         // Admit: wait when idle, else take what is queued without waiting.
@@ -225,7 +224,7 @@ fn run(target: &Target, drafter: Option<&Drafter>, datastore: Option<&Datastore>
         }
         m.batch_size.store(active.len(), Ordering::Relaxed);
         step_no += 1;
-        if let Err(e) = step(model, &mut active, &mut batch_costs, &mut kept_per_seq, step_no, m) {
+        if let Err(e) = step(model, &mut active, &mut batch_costs, &mut policy, step_no, m) {
             // A failed forward leaves every cache in an unknown state: end all of them, loudly.
             for a in active.drain(..) {
                 m.requests_failed.fetch_add(1, Ordering::Relaxed);
@@ -252,12 +251,11 @@ fn run(target: &Target, drafter: Option<&Drafter>, datastore: Option<&Datastore>
 }
 
 /// One forward over every active sequence.
-fn step(model: &crate::model::Llama, active: &mut [Active], batch_costs: &mut Option<LiveCosts>, kept_per_seq: &mut f64, step_no: u64, m: &Metrics) -> Result<()> {
+fn step(model: &crate::model::Llama, active: &mut [Active], batch_costs: &mut Option<LiveCosts>, policy: &mut DraftPolicy, step_no: u64, m: &Metrics) -> Result<()> {
     let t0 = Instant::now();
     let decoding = active.iter().filter(|a| a.seq.is_decoding()).count();
-    // Drafting buys nothing when the batch cut has lately kept no nodes: skip it, and look
-    // again every 8th step in case the load has changed.
-    let draft = decoding <= 1 || *kept_per_seq > 0.05 || step_no.is_multiple_of(8);
+    let prefilling = active.len() - decoding;
+    let draft = policy.choose(decoding, step_no);
     let mut prefill_left = PREFILL_TOKENS_PER_STEP;
     let mut works: Vec<Option<Work>> = Vec::with_capacity(active.len());
     for a in active.iter_mut() {
@@ -296,14 +294,9 @@ fn step(model: &crate::model::Llama, active: &mut [Active], batch_costs: &mut Op
         // Rows that run anyway (prompt chunks, plain roots) shift where the trees' rows start.
         let shifted = shift_costs(&costs, prefill_rows + plain_roots);
         let keep = choose_nodes_batch(&refs, &shifted, fixed_ms);
-        let mut extra = 0usize;
         for (k, &i) in trees.iter().enumerate() {
-            extra += keep[k].len() - 1;
             let w = works[i].take().expect("a tree");
             works[i] = Some(active[i].seq.restrict(w, &keep[k])?);
-        }
-        if draft {
-            *kept_per_seq = 0.7 * *kept_per_seq + 0.3 * extra as f64 / trees.len() as f64;
         }
     }
     // One forward over everything.
@@ -346,6 +339,7 @@ fn step(model: &crate::model::Llama, active: &mut [Active], batch_costs: &mut Op
     m.forwards.fetch_add(1, Ordering::Relaxed);
     m.forward_rows.fetch_add(rows as u64, Ordering::Relaxed);
     let mut emitted_total = 0;
+    let mut decode_emitted = 0;
     for (k, &i) in idx.iter().enumerate() {
         let w = works[i].take().expect("some");
         let (o, lo, ln) = offsets[k];
@@ -360,16 +354,56 @@ fn step(model: &crate::model::Llama, active: &mut [Active], batch_costs: &mut Op
         if was_decoding {
             m.sequence_steps.fetch_add(1, Ordering::Relaxed);
             m.decode_tokens.fetch_add(n as u64, Ordering::Relaxed);
+            decode_emitted += n;
         }
         emitted_total += n;
         deliver(a, m);
     }
     let secs = t0.elapsed().as_secs_f64();
+    if prefilling == 0 {
+        policy.record(decoding, draft, decode_emitted as f64 / secs);
+    }
     m.busy_micros.fetch_add((secs * 1e6) as u64, Ordering::Relaxed);
     if emitted_total > 0 {
         m.last_tok_s_milli.store((emitted_total as f64 / secs * 1e3) as u64, Ordering::Relaxed);
     }
     Ok(())
+}
+
+/// Whether drafting pays at each number of decoding sequences, learned from this run's own
+/// steps: the tokens per second of steps that drafted and of steps that did not (moving
+/// averages), one step in 16 trying the choice that is behind, so a change of load is noticed.
+/// The batch cut prices a tree's rows but not the drafting and drafter bookkeeping each
+/// sequence does on its own; measuring whole steps does. Alone, a sequence always drafts, as
+/// `generate` does.
+pub struct DraftPolicy {
+    on: Vec<Option<f64>>,
+    off: Vec<Option<f64>>,
+}
+
+impl DraftPolicy {
+    pub fn new(max_batch: usize) -> Self {
+        DraftPolicy { on: vec![None; max_batch + 1], off: vec![None; max_batch + 1] }
+    }
+
+    pub fn choose(&self, decoding: usize, step_no: u64) -> bool {
+        if decoding <= 1 || decoding >= self.on.len() {
+            return true;
+        }
+        match (self.on[decoding], self.off[decoding]) {
+            (None, _) => true,
+            (_, None) => false,
+            (Some(on), Some(off)) => (on >= off) != step_no.is_multiple_of(16),
+        }
+    }
+
+    pub fn record(&mut self, decoding: usize, drafted: bool, tok_s: f64) {
+        if decoding >= self.on.len() || !tok_s.is_finite() {
+            return;
+        }
+        let slot = if drafted { &mut self.on[decoding] } else { &mut self.off[decoding] };
+        *slot = Some(slot.map_or(tok_s, |v| 0.9 * v + 0.1 * tok_s));
+    }
 }
 
 /// The curve as seen by rows that start after `base` rows already in the forward.
@@ -519,6 +553,21 @@ mod tests {
         assert_eq!(t.push("", true), ("x".into(), false), "the held-back tail is sent at the end");
         let mut none = StopMatch::new(vec![]);
         assert_eq!(none.push("é", false), ("é".into(), false));
+    }
+
+    #[test]
+    fn drafting_is_kept_where_it_measured_faster_and_the_loser_is_retried() {
+        let mut p = DraftPolicy::new(8);
+        assert!(p.choose(1, 1) && p.choose(4, 1), "alone always, and first tried with drafting");
+        p.record(4, true, 500.0);
+        assert!(!p.choose(4, 1), "then without");
+        p.record(4, false, 700.0);
+        assert!(!p.choose(4, 1) && p.choose(4, 16), "the faster choice, the other one step in 16");
+        for _ in 0..40 {
+            p.record(4, true, 900.0);
+        }
+        assert!(p.choose(4, 1), "the load changed: drafting is ahead again");
+        assert!(p.choose(1, 1) && p.choose(2, 1), "other batch sizes learn on their own");
     }
 
     #[test]

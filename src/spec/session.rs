@@ -163,6 +163,13 @@ pub struct Sequence<'d> {
     /// (index in `out` of the root, per level top-5 draft ids) for accuracy after the fact.
     drafts: Vec<(usize, Vec<Vec<u32>>)>,
     started: Instant,
+    /// Steps decoded without drafting (`next_work(.., draft: false)`) whose features the
+    /// drafter has not seen yet: the accepted root's hidden row and the token that followed.
+    /// Handed to the drafter in one call when drafting resumes, so a step that skips drafting
+    /// costs no drafter work at all.
+    lag: Vec<(Tensor, u32)>,
+    /// Whether the work out now skipped drafting.
+    skipping: bool,
 }
 
 impl<'d> Sequence<'d> {
@@ -211,6 +218,8 @@ impl<'d> Sequence<'d> {
             stats,
             drafts: Vec::new(),
             started: Instant::now(),
+            lag: Vec::new(),
+            skipping: false,
         })
     }
 
@@ -272,6 +281,14 @@ impl<'d> Sequence<'d> {
                     return Ok(None);
                 }
                 let root = *self.out.last().expect("decoding starts after the first token");
+                self.skipping = !draft && state.is_some();
+                if let (Some(state), true, false) = (state.as_mut(), draft, self.lag.is_empty()) {
+                    let rows: Vec<Tensor> = self.lag.iter().map(|(h, _)| h.clone()).collect();
+                    let tokens: Vec<u32> = self.lag.iter().map(|&(_, t)| t).collect();
+                    let n = rows.len();
+                    state.commit(model, &Tensor::cat(&rows, 0)?, &(0..n).collect::<Vec<_>>(), &tokens)?;
+                    self.lag.clear();
+                }
                 let Some(state) = state.as_mut().filter(|_| draft) else {
                     let draft = Draft { tree: Tree::from_paths(&[]).expect("a root-only tree"), tokens: vec![root], scores: vec![1.0], drafted_nodes: 1, branch: Vec::new(), stored: false };
                     return Ok(Some(Work::Tree { positions: draft.tree.positions(committed), mask: draft.tree.mask(), draft }));
@@ -415,6 +432,7 @@ impl<'d> Sequence<'d> {
                     }
                 }
                 match (&mut self.phase, done) {
+                    (Phase::Decode(Some(_)), false) if self.skipping => self.lag.push((hidden.narrow(0, 0, 1)?, verdict.emitted[0])),
                     (Phase::Decode(Some(state)), false) => state.commit(model, &hidden, &verdict.accepted, &verdict.emitted)?,
                     (_, true) => self.phase = Phase::Done,
                     _ => {}
