@@ -372,7 +372,8 @@ fn step(model: &crate::model::Llama, active: &mut [Active], batch_costs: &mut Op
 
 /// Whether drafting pays at each number of decoding sequences, learned from this run's own
 /// steps: the tokens per second of steps that drafted and of steps that did not (moving
-/// averages), one step in 16 trying the choice that is behind, so a change of load is noticed.
+/// averages), retrying the choice that is behind one step in 16 (one in 64 once it is behind by
+/// more than 15%), so a change of load is noticed.
 /// The batch cut prices a tree's rows but not the drafting and drafter bookkeeping each
 /// sequence does on its own; measuring whole steps does. Alone, a sequence always drafts, as
 /// `generate` does.
@@ -393,7 +394,12 @@ impl DraftPolicy {
         match (self.on[decoding], self.off[decoding]) {
             (None, _) => true,
             (_, None) => false,
-            (Some(on), Some(off)) => (on >= off) != step_no.is_multiple_of(16),
+            // Retry the slower choice often while the two are close, rarely once one is
+            // clearly ahead (each retry of a losing choice costs its gap).
+            (Some(on), Some(off)) => {
+                let period = if (on - off).abs() < 0.15 * on.max(off) { 16 } else { 64 };
+                (on >= off) != step_no.is_multiple_of(period)
+            }
         }
     }
 
@@ -562,7 +568,10 @@ mod tests {
         p.record(4, true, 500.0);
         assert!(!p.choose(4, 1), "then without");
         p.record(4, false, 700.0);
-        assert!(!p.choose(4, 1) && p.choose(4, 16), "the faster choice, the other one step in 16");
+        assert!(!p.choose(4, 1) && !p.choose(4, 16) && p.choose(4, 64), "the faster choice; the other, 29% behind, one step in 64");
+        p.record(4, true, 1300.0);
+        p.record(4, true, 1300.0);
+        assert!(!p.choose(4, 1) && p.choose(4, 16), "close (652 against 700): the other one step in 16");
         for _ in 0..40 {
             p.record(4, true, 900.0);
         }
