@@ -15,7 +15,7 @@ import sys
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
 VOCAB = 266
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -30,6 +30,16 @@ FAMILIES = {
     "qwen2": Qwen2Config(rms_norm_eps=1e-6, rope_theta=1000000.0, **COMMON),
     # Per-head q/k RMS norms, no biases.
     "qwen3": Qwen3Config(rms_norm_eps=1e-6, rope_theta=1000000.0, attention_bias=False, **COMMON),
+    # Embeddings times sqrt(hidden), (1 + w) norms before and after attention and MLP, per-head
+    # q/k norms, GELU-tanh, a local (sliding-window) layer with its own rotary base and a
+    # global one. The 160-token input runs past the 128-token window, so the window clips.
+    # query_pre_attn_scalar = head_dim: llama.cpp's GGUF reader takes 1/sqrt(head_dim) (as the
+    # released models have it), so the GGUF conversion agrees only then.
+    "gemma3": Gemma3TextConfig(rms_norm_eps=1e-6, sliding_window=128, layer_types=["sliding_attention", "full_attention"],
+                               query_pre_attn_scalar=16, hidden_activation="gelu_pytorch_tanh",
+                               rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+                               **COMMON),
 }
 PROMPT_LEN = 160
 NEW_TOKENS = 16

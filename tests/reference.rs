@@ -5,7 +5,8 @@
 //!
 //! Families: Llama with Llama 3.1's rope scaling (a 160-token input, past the 64-token original
 //! context the scaling stretches), Qwen2 (q/k/v biases, NeoX rotary layout) and Qwen3 (per-head
-//! q/k norms).
+//! q/k norms) and Gemma 3 (scaled embeddings, (1 + w) norms around attention and MLP, GELU-tanh,
+//! a sliding-window layer past whose window the input runs, and a global one).
 mod common;
 use candle_core::Device;
 use common::scratch;
@@ -97,4 +98,13 @@ fn qwen2_matches_transformers() {
 #[test]
 fn qwen3_matches_transformers() {
     check_family("qwen3", |c| assert!(c.qk_norm && !c.attention_bias));
+}
+
+#[test]
+fn gemma3_matches_transformers() {
+    check_family("gemma3", |c| {
+        assert!(c.qk_norm && c.post_norms && c.embed_scale && !c.attention_bias);
+        assert_eq!(c.activation, selfspec::model::Activation::GeluTanh);
+        assert_eq!((c.sliding_window, c.local_layers.as_slice(), c.local_rope_theta, c.rope_theta), (Some(128), &[true, false][..], Some(1e4), 1e6));
+    });
 }

@@ -26,7 +26,11 @@ use selfspec::spec::verify::Rule;
 
 /// A random model with a 16-token vocabulary and random heads that draft varied tokens.
 fn tiny16() -> (Llama, Drafter) {
-    let mut cfg = selfspec::model::fixtures::tiny_config();
+    tiny16_of(selfspec::model::fixtures::tiny_config())
+}
+
+/// [`tiny16`] with another family's config (the sizes are set here).
+fn tiny16_of(mut cfg: selfspec::model::Config) -> (Llama, Drafter) {
     cfg.vocab_size = 16;
     cfg.hidden_size = 32;
     cfg.intermediate_size = 64;
@@ -364,4 +368,29 @@ fn a_sequence_that_skips_drafting_on_some_steps_catches_up_and_stays_exact() {
     }
     let (gappy, full) = (hits_gappy as f64 / steps_gappy as f64, hits_full as f64 / steps_full as f64);
     assert!(gappy > 0.7 * full && gappy > 0.5, "accepted per drafting step: {gappy:.2} after gaps, {full:.2} without");
+}
+
+/// Gemma 3's sliding-window layers under speculation: sequences run well past the 128-position
+/// window, trees and KV compaction clip each node's window by its own path, and greedy output
+/// stays plain decoding's (which the tree rows reproduce bit for bit).
+#[test]
+fn greedy_speculation_is_exact_past_a_sliding_window() {
+    let (model, heads) = tiny16_of(selfspec::model::fixtures::tiny_gemma3_config());
+    assert_eq!(model.config().sliding_window, Some(128));
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+    pool.install(|| {
+        let mut drafted = 0;
+        for seed in 0..6u64 {
+            let prompt: Vec<u32> = (0..100 + 10 * seed as usize).map(|i| ((i as u64 * 7 + seed) % 16) as u32).collect();
+            let stop = StopRule { max_new_tokens: 120, eos_ids: &[] };
+            let (plain, _) = generate_plain(&model, &prompt, &SamplingParams::greedy(), &stop, &mut rng(0), &mut |_| Ok(())).unwrap();
+            for tree in [test_tree(), TreeChoice::Static(Tree::chain(2)), auto_tree(6)] {
+                let opts = SpecOptions { tree, lookup: Some(Lookup { max_tokens: 3, min_match: 1, max_match: 2 }), datastore: None, rule: Rule::Greedy, params: SamplingParams::greedy(), stop };
+                let (spec, stats) = generate_spec(&model, &heads, &prompt, &opts, &mut rng(0), &mut |_| Ok(())).unwrap();
+                assert_eq!(spec, plain, "seed {seed}");
+                drafted += stats.drafted.iter().filter(|&&d| d).count();
+            }
+        }
+        assert!(drafted > 100, "hardly anything was drafted ({drafted}): the test shows nothing");
+    });
 }

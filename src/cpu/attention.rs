@@ -88,6 +88,9 @@ pub struct TreeAttention {
     pub mask: std::sync::Arc<TreeMask>,
     pub prefix_len: usize,
     pub scale: f32,
+    /// A sliding window: per query row, the first key slot it sees (earlier slots, cached or
+    /// new, are outside its window). None: every row sees every slot its mask allows.
+    pub first_key: Option<std::sync::Arc<Vec<usize>>>,
 }
 
 impl CustomOp3 for TreeAttention {
@@ -125,6 +128,13 @@ impl TreeAttention {
         let group = h / hkv;
         let mut out = vec![0f32; t * h * d];
         let prefix = self.prefix_len;
+        let first_key = |i: usize| self.first_key.as_ref().map_or(0, |f| f.get(i).copied().unwrap_or(0));
+        if self.first_key.as_ref().is_some_and(|f| f.len() != t) {
+            candle_core::bail!("tree attention: a window start for each of {t} rows expected")
+        }
+        // The K/V rows of the cached prefix that every row sees are fetched once per task; a
+        // window that clips any row's prefix leaves none shared (each row's list is its own).
+        let shared = if (0..t).any(|i| first_key(i) > 0) { 0 } else { prefix };
         let mask = &self.mask;
         let scale = self.scale;
         let isa = isa();
@@ -151,8 +161,9 @@ impl TreeAttention {
                 let mut bounds = Vec::with_capacity(r1 - r0 + 1);
                 for i in r0..r1 {
                     bounds.push(keys.len());
-                    keys.extend(0..prefix);
-                    keys.extend((0..n).filter(|&j| mask.sees(n - t + i, j)).map(|j| prefix + j));
+                    let first = first_key(i);
+                    keys.extend(first.min(prefix)..prefix);
+                    keys.extend((0..n).filter(|&j| mask.sees(n - t + i, j) && prefix + j >= first).map(|j| prefix + j));
                 }
                 bounds.push(keys.len());
                 let pairs: Vec<Pair> = (first..first + count)
@@ -165,9 +176,9 @@ impl TreeAttention {
                 let kv = KvHead { k, v, head_stride: k_stride, kvh: g, d, scale };
                 match isa {
                     #[cfg(target_arch = "x86_64")]
-                    Isa::Avx512 if d % LANES == 0 && d <= attend512::MAX_D => unsafe { attend512::attend_group(&kv, &pairs, prefix, scratch) },
+                    Isa::Avx512 if d % LANES == 0 && d <= attend512::MAX_D => unsafe { attend512::attend_group(&kv, &pairs, shared, scratch) },
                     #[cfg(target_arch = "x86_64")]
-                    Isa::Avx2 if d % LANES == 0 && d <= attend256::MAX_D => unsafe { attend256::attend_group(&kv, &pairs, prefix, scratch) },
+                    Isa::Avx2 if d % LANES == 0 && d <= attend256::MAX_D => unsafe { attend256::attend_group(&kv, &pairs, shared, scratch) },
                     _ => {
                         for pr in &pairs {
                             let o = unsafe { std::slice::from_raw_parts_mut(pr.out.0, d) };
@@ -956,7 +967,7 @@ mod tests {
             let v = rand_vec(hkv * cap * d, 13);
             let (k16, v16): (Vec<f16>, Vec<f16>) = (k.iter().map(|&x| f16::from_f32(x)).collect(), v.iter().map(|&x| f16::from_f32(x)).collect());
             let dev = Device::Cpu;
-            let op = TreeAttention { mask: std::sync::Arc::new(mask.clone()), prefix_len: prefix, scale: 0.125 };
+            let op = TreeAttention { mask: std::sync::Arc::new(mask.clone()), prefix_len: prefix, scale: 0.125, first_key: None };
             let qt = Tensor::from_vec(q.clone(), (t, h, d), &dev).unwrap();
             let view = |t: Tensor| t.reshape((hkv, cap, d)).unwrap().narrow(1, 0, s).unwrap();
             let run = |k: Tensor, v: Tensor| -> Vec<f32> { qt.apply_op3_no_bwd(&view(k), &view(v), &op).unwrap().flatten_all().unwrap().to_vec1().unwrap() };
@@ -986,7 +997,7 @@ mod tests {
         let k = Tensor::zeros((1, 1, 16), candle_core::DType::F16, &dev_cpu()).unwrap();
         let v = Tensor::zeros((1, 1, 16), candle_core::DType::F32, &dev_cpu()).unwrap();
         let q = Tensor::zeros((1, 1, 16), candle_core::DType::F32, &dev_cpu()).unwrap();
-        let op = TreeAttention { mask: std::sync::Arc::new(TreeMask::causal(1)), prefix_len: 0, scale: 0.25 };
+        let op = TreeAttention { mask: std::sync::Arc::new(TreeMask::causal(1)), prefix_len: 0, scale: 0.25, first_key: None };
         assert!(q.apply_op3_no_bwd(&k, &v, &op).is_err());
     }
 

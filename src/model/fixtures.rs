@@ -52,6 +52,7 @@ pub const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + messag
 
 /// A small Llama config with the tiny vocabulary.
 pub fn tiny_config() -> Config {
+    use crate::model::Activation;
     Config {
         architecture: "llama".into(),
         vocab_size: tiny_vocab().0.len(),
@@ -70,6 +71,14 @@ pub fn tiny_config() -> Config {
         qk_norm: false,
         bos_token_id: None,
         eos_token_ids: vec![],
+        embed_scale: false,
+        post_norms: false,
+        activation: Activation::Silu,
+        attn_scale: None,
+        sliding_window: None,
+        local_layers: Vec::new(),
+        local_rope_theta: None,
+        norm_offset: 0.0,
     }
 }
 
@@ -123,8 +132,39 @@ pub fn random_weights(cfg: &Config, seed: u64) -> Result<HashMap<String, Tensor>
                 w.insert(format!("{p}.self_attn.{h}.weight"), (rnd((1, cfg.head_dim), 0.2)?.squeeze(0)? + 1.0)?);
             }
         }
+        if cfg.post_norms {
+            for h in ["pre_feedforward_layernorm", "post_feedforward_layernorm"] {
+                w.insert(format!("{p}.{h}.weight"), (rnd((1, d), 0.2)?.squeeze(0)? + 1.0)?);
+            }
+        }
+    }
+    // Norm weights as the checkpoint stores them (the model adds the offset back).
+    if cfg.norm_offset != 0.0 {
+        for (n, t) in w.iter_mut() {
+            if n.contains("norm") {
+                *t = (&*t - cfg.norm_offset)?;
+            }
+        }
     }
     Ok(w)
+}
+
+/// [`tiny_config`] as a Gemma 3: scaled embeddings, norms around attention and MLP, q/k norms,
+/// GELU-tanh, and a local layer whose window (128, the least allowed) a test's sequences pass.
+pub fn tiny_gemma3_config() -> Config {
+    Config {
+        architecture: "gemma3".into(),
+        qk_norm: true,
+        embed_scale: true,
+        post_norms: true,
+        activation: crate::model::Activation::GeluTanh,
+        sliding_window: Some(crate::model::MIN_SLIDING_WINDOW),
+        local_layers: vec![true, false],
+        local_rope_theta: Some(10000.0),
+        rope_theta: 1e6,
+        norm_offset: 1.0,
+        ..tiny_config()
+    }
 }
 
 /// Write `weights` as a llama-architecture GGUF (f32 tensors) with the tiny tokenizer.
@@ -161,15 +201,27 @@ pub fn write_gguf_as(path: &Path, cfg: &Config, weights: &HashMap<String, Tensor
         ("tokenizer.ggml.bos_token_id".into(), V::U32(tokens.len() as u32 - 2)),
         ("tokenizer.chat_template".into(), V::String(CHATML.into())),
     ];
+    let mut md = md;
+    if arch == "gemma3" {
+        // As llama.cpp's converter writes Gemma 3: the window, which layers use it (a list), and
+        // the local layers' rotary base.
+        if let Some(w) = cfg.sliding_window {
+            md.push((key("attention.sliding_window"), V::U32(w as u32)));
+            md.push((key("attention.sliding_window_pattern"), V::Array(cfg.local_layers.iter().map(|&b| V::Bool(b)).collect())));
+            md.push((key("rope.freq_base_swa"), V::F32(cfg.local_rope_theta.unwrap_or(10000.0) as f32)));
+        }
+    }
     let mut named: Vec<(String, Tensor)> = Vec::new();
     let get = |n: &str| weights.get(n).cloned().ok_or_else(|| Error::InvalidArgument(format!("missing weight {n}")));
+    // Norm weights as the GGUF stores them: Gemma's converter adds the 1 of its (1 + w) scale.
+    let norm = |n: &str| -> Result<Tensor> { Ok((get(n)? + cfg.norm_offset)?) };
     named.push(("token_embd.weight".into(), get("model.embed_tokens.weight")?));
-    named.push(("output_norm.weight".into(), get("model.norm.weight")?));
+    named.push(("output_norm.weight".into(), norm("model.norm.weight")?));
     if !cfg.tie_embeddings {
         named.push(("output.weight".into(), get("lm_head.weight")?));
     }
     // llama.cpp's converter permutes q/k rows for Llama-architecture files only.
-    let permuted = !matches!(arch, "qwen2" | "qwen3");
+    let permuted = !matches!(arch, "qwen2" | "qwen3" | "gemma3");
     for i in 0..cfg.num_layers {
         let p = format!("model.layers.{i}");
         let b = format!("blk.{i}");
@@ -177,7 +229,15 @@ pub fn write_gguf_as(path: &Path, cfg: &Config, weights: &HashMap<String, Tensor
         named.push((format!("{b}.attn_q.weight"), if permuted { permute_qk(&q, cfg.num_heads)? } else { q }));
         named.push((format!("{b}.attn_k.weight"), if permuted { permute_qk(&k, cfg.num_kv_heads)? } else { k }));
         for (g, h) in GGUF_LAYER_TENSORS {
-            named.push((format!("{b}.{g}"), get(&format!("{p}.{h}"))?));
+            let h = match h {
+                "post_attention_layernorm.weight" if cfg.post_norms => "pre_feedforward_layernorm.weight",
+                h => h,
+            };
+            named.push((format!("{b}.{g}"), if g.ends_with("norm.weight") { norm(&format!("{p}.{h}"))? } else { get(&format!("{p}.{h}"))? }));
+        }
+        if cfg.post_norms {
+            named.push((format!("{b}.post_attention_norm.weight"), norm(&format!("{p}.post_attention_layernorm.weight"))?));
+            named.push((format!("{b}.post_ffw_norm.weight"), norm(&format!("{p}.post_feedforward_layernorm.weight"))?));
         }
         if cfg.attention_bias {
             for (g, h) in [("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj")] {
@@ -185,8 +245,8 @@ pub fn write_gguf_as(path: &Path, cfg: &Config, weights: &HashMap<String, Tensor
             }
         }
         if cfg.qk_norm {
-            named.push((format!("{b}.attn_q_norm.weight"), get(&format!("{p}.self_attn.q_norm.weight"))?));
-            named.push((format!("{b}.attn_k_norm.weight"), get(&format!("{p}.self_attn.k_norm.weight"))?));
+            named.push((format!("{b}.attn_q_norm.weight"), norm(&format!("{p}.self_attn.q_norm.weight"))?));
+            named.push((format!("{b}.attn_k_norm.weight"), norm(&format!("{p}.self_attn.k_norm.weight"))?));
         }
     }
     let qs: Vec<(String, QTensor)> = named
@@ -196,7 +256,6 @@ pub fn write_gguf_as(path: &Path, cfg: &Config, weights: &HashMap<String, Tensor
             Ok((n, QTensor::quantize(&t, ty)?))
         })
         .collect::<Result<_>>()?;
-    let mut md = md;
     let mut qs = qs;
     match &cfg.rope_scaling {
         None => {}

@@ -45,7 +45,64 @@ pub struct Config {
     pub qk_norm: bool,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
+    /// Gemma 3: token embeddings are multiplied by √hidden_size.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub embed_scale: bool,
+    /// Gemma 3: RMS norms on the attention's and the MLP's outputs too, before each residual add
+    /// (`post_attention_layernorm`, `post_feedforward_layernorm`; the MLP's input norm is then
+    /// `pre_feedforward_layernorm`).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub post_norms: bool,
+    /// The MLP's gate activation.
+    #[serde(default, skip_serializing_if = "Activation::is_silu")]
+    pub activation: Activation,
+    /// The attention's score scale when it is not 1/√head_dim (Gemma 3: 1/√query_pre_attn_scalar).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attn_scale: Option<f64>,
+    /// Sliding-window attention: a layer marked in `local_layers` sees only keys fewer than
+    /// this many positions before the query (the query's own included).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window: Option<usize>,
+    /// Per layer: whether it is a local (sliding-window) layer. Empty: none is.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub local_layers: Vec<bool>,
+    /// The rotary base of local layers (unscaled); the others use `rope_theta` and its scaling.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub local_rope_theta: Option<f64>,
+    /// Added to every RMS norm weight at load. Gemma's checkpoints store w and scale by 1 + w;
+    /// its GGUFs store 1 + w already (llama.cpp's converter adds the 1).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub norm_offset: f64,
 }
+
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
+fn is_zero(x: &f64) -> bool {
+    *x == 0.0
+}
+
+/// The gate activation of the MLP: `act(gate(x)) * up(x)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Activation {
+    /// Llama, Mistral, Qwen.
+    #[default]
+    Silu,
+    /// Gemma: GELU with the tanh approximation (`gelu_pytorch_tanh`).
+    GeluTanh,
+}
+
+impl Activation {
+    fn is_silu(&self) -> bool {
+        *self == Activation::Silu
+    }
+}
+
+/// Sliding windows must reach past any tree a step verifies: a node's ancestors are then all
+/// inside its window, and only the cached prefix needs clipping.
+pub const MIN_SLIDING_WINDOW: usize = 128;
 
 /// Rotary-embedding scaling, as models declare it (`rope_scaling` in config.json; `rope_freqs.weight`
 /// and `*.rope.scaling.*` in GGUF). Each stretches the per-dimension frequencies
@@ -122,6 +179,15 @@ impl Config {
         }
         if let Some(r) = &self.rope_scaling {
             r.validate(self.head_dim)?;
+        }
+        match (self.sliding_window, self.local_layers.is_empty()) {
+            (Some(w), false) if w < MIN_SLIDING_WINDOW => return Err(format!("a sliding window of {w} positions; at least {MIN_SLIDING_WINDOW} are supported")),
+            (Some(_), false) if self.local_layers.len() != self.num_layers => return Err(format!("{} layer types for {} layers", self.local_layers.len(), self.num_layers)),
+            (None, false) => return Err("local layers without a sliding window".into()),
+            _ => {}
+        }
+        if let Some(s) = self.attn_scale.filter(|s| !(s.is_finite() && *s > 0.0)) {
+            return Err(format!("attention scale {s} must be positive"));
         }
         // Positions travel as u32 and the KV cache grows up to the context: a context past
         // this is refused rather than trusted.
@@ -383,6 +449,7 @@ struct Mlp {
     up: Linear,
     down: Linear,
     gate_up: Option<Fused>,
+    activation: Activation,
 }
 
 struct Block {
@@ -390,6 +457,10 @@ struct Block {
     attn: Attention,
     mlp_norm: RmsNorm,
     mlp: Mlp,
+    /// Norms of the attention's and the MLP's outputs (Gemma 3).
+    post_norms: Option<(RmsNorm, RmsNorm)>,
+    /// A local (sliding-window) layer.
+    local: bool,
 }
 
 /// One sequence of a [`Llama::forward_batch`] call.
@@ -439,11 +510,16 @@ pub struct Llama {
 /// context's tables would be 64 MB and a tenth of a second of start-up, and the same formula
 /// gives the same bits either way.
 pub(crate) fn rope_rows(cfg: &Config, positions: &[usize], device: &Device) -> Result<(Tensor, Tensor)> {
-    let half = cfg.head_dim / 2;
+    rope_rows_with(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling.as_ref(), positions, device)
+}
+
+/// [`rope_rows`] for a given base and scaling (local layers have their own, unscaled).
+fn rope_rows_with(head_dim: usize, base: f64, scaling: Option<&RopeScaling>, positions: &[usize], device: &Device) -> Result<(Tensor, Tensor)> {
+    let half = head_dim / 2;
     let mut theta: Vec<f32> = (0..half)
-        .map(|i| 1f32 / (cfg.rope_theta as f32).powf((2 * i) as f32 / cfg.head_dim as f32))
+        .map(|i| 1f32 / (base as f32).powf((2 * i) as f32 / head_dim as f32))
         .collect();
-    if let Some(r) = &cfg.rope_scaling {
+    if let Some(r) = scaling {
         r.apply(&mut theta);
     }
     let mut cos = Vec::with_capacity(positions.len() * half);
@@ -482,7 +558,8 @@ impl Llama {
         cfg.validate().map_err(Error::InvalidArgument)?;
         let keep_f32 = format == WeightFormat::F32 || !device.is_cpu();
         let (d, nh, nkv, hd, ff) = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size);
-        let norm = |name: &str| -> Result<RmsNorm> { Ok(RmsNorm::new(src.tensor(&format!("{name}.weight"), &[d], device)?, cfg.rms_norm_eps)) };
+        let shifted = |w: Tensor| -> Result<Tensor> { Ok(if cfg.norm_offset != 0.0 { (w + cfg.norm_offset)? } else { w }) };
+        let norm = |name: &str| -> Result<RmsNorm> { Ok(RmsNorm::new(shifted(src.tensor(&format!("{name}.weight"), &[d], device)?)?, cfg.rms_norm_eps)) };
         // A projection `name` of shape [out, in]: its f32 weight when kept, its bias if any.
         let linear = |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear> {
             let bias = if bias { Some(src.tensor(&format!("{name}.bias"), &[out], device)?) } else { None };
@@ -551,7 +628,7 @@ impl Llama {
                     o,
                     qkv,
                     qk_norm: if cfg.qk_norm {
-                        let head_norm = |name: &str| -> Result<RmsNorm> { Ok(RmsNorm::new(src.tensor(&format!("{name}.weight"), &[hd], device)?, cfg.rms_norm_eps)) };
+                        let head_norm = |name: &str| -> Result<RmsNorm> { Ok(RmsNorm::new(shifted(src.tensor(&format!("{name}.weight"), &[hd], device)?)?, cfg.rms_norm_eps)) };
                         Some((head_norm(&n("self_attn.q_norm"))?, head_norm(&n("self_attn.k_norm"))?))
                     } else {
                         None
@@ -560,8 +637,12 @@ impl Llama {
                     num_kv_heads: nkv,
                     head_dim: hd,
                 },
-                mlp_norm: norm(&n("post_attention_layernorm"))?,
-                mlp: Mlp { gate, up, down, gate_up },
+                // With post norms (Gemma 3), `post_attention_layernorm` is the attention's output
+                // norm and the MLP's input norm is `pre_feedforward_layernorm`.
+                mlp_norm: norm(&n(if cfg.post_norms { "pre_feedforward_layernorm" } else { "post_attention_layernorm" }))?,
+                mlp: Mlp { gate, up, down, gate_up, activation: cfg.activation },
+                post_norms: if cfg.post_norms { Some((norm(&n("post_attention_layernorm"))?, norm(&n("post_feedforward_layernorm"))?)) } else { None },
+                local: cfg.local_layers.get(i).copied().unwrap_or(false),
             });
         }
         let final_norm = norm("model.norm")?;
@@ -730,7 +811,7 @@ impl Llama {
         if let Some(&bad) = tokens.iter().find(|&&x| x as usize >= self.cfg.vocab_size) {
             return Err(Error::InvalidArgument(format!("token id {bad} is outside the vocabulary ({})", self.cfg.vocab_size)));
         }
-        self.run_blocks(self.embed.lookup(tokens, &self.device)?, positions, mask, cache)
+        self.run_blocks(self.embed_scaled(tokens)?, positions, mask, cache)
     }
 
     /// [`Llama::forward`] on input vectors `[T, hidden]` instead of token ids: a draft layer
@@ -782,18 +863,47 @@ impl Llama {
             spans.push(AttnSpan { start: all_pos.len(), len: s.positions.len(), prefix: s.cache.len() - s.tail, mask: Arc::new(s.mask.clone()) });
             all_pos.extend_from_slice(s.positions);
         }
-        let (cos, sin) = rope_rows(&self.cfg, &all_pos, &self.device)?;
+        let global = rope_rows(&self.cfg, &all_pos, &self.device)?;
+        // Local layers: their own rotary base, and per row the first key slot inside the
+        // window (slot i of a cache holds position i: the committed path is compacted).
+        let local = match (self.cfg.sliding_window, self.blocks.iter().any(|b| b.local)) {
+            (Some(w), true) => {
+                let rope = rope_rows_with(self.cfg.head_dim, self.cfg.local_rope_theta.unwrap_or(self.cfg.rope_theta), None, &all_pos, &self.device)?;
+                // A key's slot is its position for the cached prefix and for a causal chunk of
+                // new rows (prompt reading); tree nodes sit at other slots, but a tree is
+                // shallower than any window (MIN_SLIDING_WINDOW), so its nodes are never clipped.
+                let firsts: Vec<Arc<Vec<usize>>> = spans.iter().map(|sp| Arc::new(all_pos[sp.start..sp.start + sp.len].iter().map(|&p| (p + 1).saturating_sub(w)).collect())).collect();
+                Some((rope, firsts))
+            }
+            _ => None,
+        };
+        let scale = self.cfg.attn_scale.map_or(1.0 / (self.cfg.head_dim as f32).sqrt(), |s| s as f32);
         let mut caches: Vec<&mut KvCache> = segs.iter_mut().map(|s| &mut *s.cache).collect();
         for (i, b) in self.blocks.iter().enumerate() {
+            let ((cos, sin), window) = match (&local, b.local) {
+                (Some((rope, firsts)), true) => (rope, Some(firsts.as_slice())),
+                _ => (&global, None),
+            };
             let h = rms_norm(&b.attn_norm, &x)?;
-            let a = b.attn.forward(&h, &cos, &sin, &spans, &mut caches, i)?;
+            let mut a = b.attn.forward(&h, cos, sin, &spans, window, scale, &mut caches, i)?;
+            if let Some((post_attn, _)) = &b.post_norms {
+                a = rms_norm(post_attn, &a)?;
+            }
             x = (x + a)?;
             let h = rms_norm(&b.mlp_norm, &x)?;
-            let act = match &b.mlp.gate_up {
-                Some(f) if f.applies(&h)? => f.forward_joined(&h)?.apply_op1_no_bwd(&SwiGlu)?,
-                _ => (candle_nn::ops::silu(&b.mlp.gate.forward(&h)?)? * b.mlp.up.forward(&h)?)?.contiguous()?,
+            let act = match (&b.mlp.gate_up, b.mlp.activation) {
+                (Some(f), Activation::Silu) if f.applies(&h)? => f.forward_joined(&h)?.apply_op1_no_bwd(&SwiGlu)?,
+                (_, Activation::Silu) => (candle_nn::ops::silu(&b.mlp.gate.forward(&h)?)? * b.mlp.up.forward(&h)?)?.contiguous()?,
+                (Some(f), Activation::GeluTanh) if f.applies(&h)? => {
+                    let gu = f.forward(&h)?;
+                    (gu[0].gelu()? * &gu[1])?.contiguous()?
+                }
+                (_, Activation::GeluTanh) => (b.mlp.gate.forward(&h)?.gelu()? * b.mlp.up.forward(&h)?)?.contiguous()?,
             };
-            let m = b.mlp.down.forward(&act)?;
+            let mut m = b.mlp.down.forward(&act)?;
+            if let Some((_, post_mlp)) = &b.post_norms {
+                m = rms_norm(post_mlp, &m)?;
+            }
             x = (x + m)?;
         }
         for (c, sp) in caches.iter_mut().zip(&spans) {
@@ -829,9 +939,16 @@ impl Llama {
             }
             ids.extend_from_slice(e.tokens);
         }
-        let x = self.embed.lookup(&ids, &self.device)?;
+        let x = self.embed_scaled(&ids)?;
         let mut segs: Vec<Segment> = batch.iter_mut().map(|e| Segment { positions: e.positions, mask: e.mask, tail: 0, cache: &mut *e.cache }).collect();
         self.run_blocks_multi(x, &mut segs)
+    }
+
+    /// The blocks' input for `tokens`: their embeddings, times √hidden where the model scales
+    /// them (Gemma), in f32 as transformers and llama.cpp both do.
+    fn embed_scaled(&self, tokens: &[u32]) -> Result<Tensor> {
+        let x = self.embed.lookup(tokens, &self.device)?;
+        Ok(if self.cfg.embed_scale { (x * (self.cfg.hidden_size as f32).sqrt() as f64)? } else { x })
     }
 
     /// Token embeddings `[T, d]` (token-aware heads read the root token's).
@@ -879,11 +996,13 @@ impl Llama {
 }
 
 impl Attention {
-    fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, spans: &[AttnSpan], caches: &mut [&mut KvCache], layer: usize) -> Result<Tensor> {
+    /// `window`: per span, each row's first visible key slot (a local layer); `scale`: the
+    /// score scale.
+    #[allow(clippy::too_many_arguments)]
+    fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, spans: &[AttnSpan], window: Option<&[Arc<Vec<usize>>]>, scale: f32, caches: &mut [&mut KvCache], layer: usize) -> Result<Tensor> {
         let t = x.dim(0)?;
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let scale = 1.0 / (hd as f32).sqrt();
-        if let (Some(f), [sp], [cache], None) = (&self.qkv, spans, &mut *caches, &self.qk_norm) {
+        if let (Some(f), [sp], [cache], None, None) = (&self.qkv, spans, &mut *caches, &self.qk_norm, window) {
             if f.applies(x)? {
                 // The CPU decode path: q and k rotated in place in the fused output, then q, k
                 // and v read from it as views (no copies), k and v stored straight into the cache.
@@ -891,7 +1010,7 @@ impl Attention {
                 qkv.inplace_op3(cos, sin, &crate::cpu::RopeInPlace { heads: nh + nkv })?;
                 let parts = qkv.reshape((t, nh + 2 * nkv, hd))?;
                 let (k_all, v_all) = cache.write(layer, &parts.narrow(1, nh, nkv)?, &parts.narrow(1, nh + nkv, nkv)?)?;
-                let op = TreeAttention { mask: sp.mask.clone(), prefix_len: sp.prefix, scale };
+                let op = TreeAttention { mask: sp.mask.clone(), prefix_len: sp.prefix, scale, first_key: None };
                 let out = parts.narrow(1, 0, nh)?.apply_op3_no_bwd(&k_all, &v_all, &op)?;
                 return self.o.forward(&out.reshape((t, nh * hd))?);
             }
@@ -914,7 +1033,8 @@ impl Attention {
         let q = rope_thd(&q, cos, sin)?.squeeze(0)?;
         let k = rope_thd(&k, cos, sin)?.squeeze(0)?;
         let mut outs = Vec::with_capacity(spans.len());
-        for (sp, cache) in spans.iter().zip(caches.iter_mut()) {
+        for (n, (sp, cache)) in spans.iter().zip(caches.iter_mut()).enumerate() {
+            let first_key = window.map(|w| w[n].clone());
             let (q, k, v) = if spans.len() == 1 {
                 (q.clone(), k.clone(), v.clone())
             } else {
@@ -922,10 +1042,10 @@ impl Attention {
             };
             let (k_all, v_all) = cache.write(layer, &k, &v)?;
             outs.push(if x.device().is_cpu() {
-                let op = TreeAttention { mask: sp.mask.clone(), prefix_len: sp.prefix, scale };
+                let op = TreeAttention { mask: sp.mask.clone(), prefix_len: sp.prefix, scale, first_key };
                 q.contiguous()?.apply_op3_no_bwd(&k_all, &v_all, &op)?
             } else {
-                attention_candle(&q, &k_all, &v_all, &sp.mask, sp.prefix, scale)?
+                attention_candle(&q, &k_all, &v_all, &sp.mask, sp.prefix, scale, first_key.as_deref().map(|v| v.as_slice()))?
             });
         }
         let out = if outs.len() == 1 { outs.pop().expect("one") } else { Tensor::cat(&outs, 0)? };
@@ -951,7 +1071,8 @@ fn rope_thd(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 
 /// The same attention with candle's ops, for CUDA/Metal and as a reference in tests; `k`, `v`
 /// are head-major `[kv_heads, s, head_dim]`, as the KV cache holds them (any float dtype).
-pub fn attention_candle(q: &Tensor, k: &Tensor, v: &Tensor, mask: &TreeMask, prefix: usize, scale: f32) -> Result<Tensor> {
+/// `first_key`: per query row, the first key slot it sees (a sliding window); none: all.
+pub fn attention_candle(q: &Tensor, k: &Tensor, v: &Tensor, mask: &TreeMask, prefix: usize, scale: f32, first_key: Option<&[usize]>) -> Result<Tensor> {
     let (t, nh, hd) = q.dims3()?;
     let (nkv, s, _) = k.dims3()?;
     let group = nh / nkv;
@@ -963,7 +1084,13 @@ pub fn attention_candle(q: &Tensor, k: &Tensor, v: &Tensor, mask: &TreeMask, pre
     if s != prefix + n || t > n {
         return Err(Error::InvalidArgument(format!("attention: {t} queries, {s} keys, prefix {prefix}, mask for {n}")));
     }
-    let add = Tensor::from_vec(mask.additive(prefix, n - t), (t, s), q.device())?;
+    let mut add = mask.additive(prefix, n - t);
+    if let Some(f) = first_key {
+        for (r, &first) in f.iter().enumerate().take(t) {
+            add[r * s..r * s + first.min(s)].fill(f32::NEG_INFINITY);
+        }
+    }
+    let add = Tensor::from_vec(add, (t, s), q.device())?;
     let scores = (q.matmul(&k.t()?)? * scale as f64)?.broadcast_add(&add)?;
     let p = candle_nn::ops::softmax_last_dim(&scores)?;
     let o = p.matmul(&v)?; // [nh, t, hd]
@@ -1062,6 +1189,14 @@ mod tests {
             qk_norm: false,
             bos_token_id: Some(1),
             eos_token_ids: vec![2],
+            embed_scale: false,
+            post_norms: false,
+            activation: super::Activation::Silu,
+            attn_scale: None,
+            sliding_window: None,
+            local_layers: Vec::new(),
+            local_rope_theta: None,
+            norm_offset: 0.0,
         }
     }
 

@@ -12,6 +12,7 @@ use crate::cpu::quant::{QuantKind, Staged, WeightFormat};
 use crate::model::gguf::{GgufFile, RawRows};
 use crate::model::{Config, Llama, WeightSource};
 use crate::model::tokenizer::{ChatTemplate, Tokenizer};
+use crate::model::Activation;
 use crate::{Error, Result};
 
 /// A loaded target: the model, its tokenizer, its chat template and where it came from.
@@ -226,6 +227,11 @@ fn check_tensor_shapes(ct: &gguf_file::Content, cfg: &Config, path: &Path) -> Re
                 check(&b(n), &[cfg.head_dim])?;
             }
         }
+        if cfg.post_norms {
+            for n in ["post_attention_norm.weight", "post_ffw_norm.weight"] {
+                check(&b(n), &[h])?;
+            }
+        }
     }
     Ok(())
 }
@@ -342,8 +348,8 @@ fn load_gguf(path: &Path, device: &Device, weights: WeightFormat) -> Result<Targ
         .and_then(|v| v.to_string().ok())
         .cloned()
         .ok_or_else(|| Error::bad_file(path, "no general.architecture in the GGUF metadata"))?;
-    if !matches!(arch.as_str(), "llama" | "mistral" | "qwen2" | "qwen3") {
-        return Err(Error::unsupported(path, format!("architecture '{arch}' (supported: llama, mistral, qwen2, qwen3)")));
+    if !matches!(arch.as_str(), "llama" | "mistral" | "qwen2" | "qwen3" | "gemma3") {
+        return Err(Error::unsupported(path, format!("architecture '{arch}' (supported: {SUPPORTED})")));
     }
     let key = |k: &str| format!("{arch}.{k}");
     let get_u = |k: &str| -> Result<usize> {
@@ -367,7 +373,7 @@ fn load_gguf(path: &Path, device: &Device, weights: WeightFormat) -> Result<Targ
     };
     let head_dim = md.get(&key("attention.key_length")).and_then(|v| v.to_u32().ok()).map(|v| v as usize).unwrap_or(hidden / heads.max(1));
     let tie = !file.has("output.weight");
-    let cfg = Config {
+    let mut cfg = Config {
         architecture: arch.clone(),
         vocab_size: vocab,
         hidden_size: hidden,
@@ -385,7 +391,18 @@ fn load_gguf(path: &Path, device: &Device, weights: WeightFormat) -> Result<Targ
         qk_norm: file.has("blk.0.attn_q_norm.weight"),
         bos_token_id: tokenizer.bos_id,
         eos_token_ids: tokenizer.eos_ids.clone(),
+        embed_scale: false,
+        post_norms: false,
+        activation: Activation::Silu,
+        attn_scale: None,
+        sliding_window: None,
+        local_layers: Vec::new(),
+        local_rope_theta: None,
+        norm_offset: 0.0,
     };
+    if arch == "gemma3" {
+        gemma3_gguf(&mut cfg, &file, &key)?;
+    }
     cfg.validate().map_err(|m| Error::bad_file(path, m))?;
     check_tensor_shapes(ct, &cfg, path)?;
     // f32 weights on a device other than the CPU need room there, not here; on the CPU, say up
@@ -399,7 +416,7 @@ fn load_gguf(path: &Path, device: &Device, weights: WeightFormat) -> Result<Targ
         }
     }
     // Only llama-arch GGUFs are permuted by the converter; Qwen keeps the NeoX layout.
-    let permuted = !matches!(arch.as_str(), "qwen2" | "qwen3");
+    let permuted = !matches!(arch.as_str(), "qwen2" | "qwen3" | "gemma3");
     let mut names: HashMap<String, (String, Option<usize>)> = HashMap::new();
     names.insert("model.embed_tokens.weight".into(), ("token_embd.weight".into(), None));
     names.insert("model.norm.weight".into(), ("output_norm.weight".into(), None));
@@ -418,11 +435,53 @@ fn load_gguf(path: &Path, device: &Device, weights: WeightFormat) -> Result<Targ
         }
         names.insert(format!("{p}.self_attn.q_norm.weight"), (format!("{b}.attn_q_norm.weight"), None));
         names.insert(format!("{p}.self_attn.k_norm.weight"), (format!("{b}.attn_k_norm.weight"), None));
+        if cfg.post_norms {
+            // Gemma 3's names: ffn_norm is the MLP's input norm, the other two its outputs'.
+            names.insert(format!("{p}.pre_feedforward_layernorm.weight"), (format!("{b}.ffn_norm.weight"), None));
+            names.insert(format!("{p}.post_attention_layernorm.weight"), (format!("{b}.post_attention_norm.weight"), None));
+            names.insert(format!("{p}.post_feedforward_layernorm.weight"), (format!("{b}.post_ffw_norm.weight"), None));
+        }
     }
     let src = GgufSource { file: &file, names, head_dim };
     let model = Llama::build(&src, &cfg, weights, device).map_err(|e| Error::bad_file(path, e.to_string()))?;
     let (chat_template, chat_template_error) = usable_template(md.get("tokenizer.chat_template").and_then(|v| v.to_string().ok()).cloned());
     Ok(Target { model, tokenizer, chat_template, chat_template_error, path: path.to_path_buf() })
+}
+
+/// Every architecture the loaders take.
+pub const SUPPORTED: &str = "llama, mistral, qwen2, qwen3, gemma3";
+
+/// Gemma 3's differences from Llama, as llama.cpp reads them from a GGUF: embeddings scaled by
+/// √hidden, norms on the attention's and MLP's outputs, GELU-tanh, and sliding-window layers
+/// (every sixth layer global, unless the file lists the pattern) with rotary base 10,000 (or
+/// `rope.freq_base_swa`) where the global layers use `rope.freq_base`. The norms' weights are
+/// stored as 1 + w already. Softcapping (Gemma 2) is refused.
+fn gemma3_gguf(cfg: &mut Config, file: &GgufFile, key: &dyn Fn(&str) -> String) -> Result<()> {
+    let md = &file.content.metadata;
+    for k in ["final_logit_softcapping", "attn_logit_softcapping"] {
+        if md.get(&key(k)).and_then(|v| v.to_f32().ok()).is_some_and(|v| v != 0.0) {
+            return Err(Error::unsupported(&file.path, format!("{} (logit softcapping)", key(k))));
+        }
+    }
+    cfg.embed_scale = true;
+    cfg.post_norms = true;
+    cfg.activation = Activation::GeluTanh;
+    cfg.qk_norm = true;
+    // As llama.cpp: 1/√head_dim (the 27B model's 1/√(hidden/heads) is the same formula there).
+    cfg.attn_scale = None;
+    if let Some(w) = md.get(&key("attention.sliding_window")).and_then(|v| v.to_u32().ok()).filter(|&w| w > 0) {
+        cfg.sliding_window = Some(w as usize);
+        cfg.local_layers = match md.get(&key("attention.sliding_window_pattern")) {
+            Some(v) => match (v.to_vec(), v.to_u32()) {
+                (Ok(list), _) => list.iter().map(|x| x.to_bool().unwrap_or(false)).collect(),
+                (_, Ok(n)) => (0..cfg.num_layers).map(|i| n == 0 || (i as u32 % n) < n - 1).collect(),
+                _ => return Err(Error::bad_file(&file.path, format!("{} is neither a number nor a list", key("attention.sliding_window_pattern")))),
+            },
+            None => (0..cfg.num_layers).map(|i| i % 6 < 5).collect(),
+        };
+        cfg.local_rope_theta = Some(md.get(&key("rope.freq_base_swa")).and_then(|v| v.to_f32().ok()).unwrap_or(10000.0) as f64);
+    }
+    Ok(())
 }
 
 /// A GGUF's rotary scaling: the per-frequency divisors of `rope_freqs.weight` (how llama.cpp's
@@ -451,6 +510,45 @@ fn gguf_rope_scaling(file: &GgufFile, key: &dyn Fn(&str) -> String, head_dim: us
         (Some("linear"), Some(f)) => Ok(Some(crate::model::RopeScaling::Linear { factor: f as f64 })),
         (Some(t), _) => Err(Error::unsupported(&file.path, format!("rope scaling '{t}'{} (supported: linear, and llama3 through rope_freqs.weight)", factor.map(|f| format!(" with factor {f}")).unwrap_or_default()))),
     }
+}
+
+/// Gemma 3's config.json (`Gemma3TextConfig`): `query_pre_attn_scalar`, `sliding_window` with
+/// `layer_types` (or the older `sliding_window_pattern`), the local layers' base
+/// (`rope_local_base_freq`, or transformers 5's `rope_parameters.sliding_attention`), and the
+/// global layers' from `rope_parameters.full_attention` where that is how it is written.
+fn gemma3_hf(cfg: &mut Config, c: &serde_json::Value) -> std::result::Result<(), String> {
+    for k in ["final_logit_softcapping", "attn_logit_softcapping"] {
+        if c[k].as_f64().is_some_and(|v| v != 0.0) {
+            return Err(format!("{k} (logit softcapping)"));
+        }
+    }
+    let act = c["hidden_activation"].as_str().or_else(|| c["hidden_act"].as_str()).unwrap_or("gelu_pytorch_tanh");
+    if !matches!(act, "gelu_pytorch_tanh" | "gelu_tanh") {
+        return Err(format!("Gemma 3 with hidden activation '{act}' (supported: gelu_pytorch_tanh)"));
+    }
+    cfg.embed_scale = true;
+    cfg.post_norms = true;
+    cfg.activation = Activation::GeluTanh;
+    cfg.qk_norm = true;
+    cfg.norm_offset = 1.0;
+    cfg.attn_scale = c["query_pre_attn_scalar"].as_f64().map(|s| 1.0 / s.sqrt());
+    if let Some(full) = c["rope_parameters"].get("full_attention") {
+        cfg.rope_theta = full["rope_theta"].as_f64().unwrap_or(cfg.rope_theta);
+        cfg.rope_scaling = hf_rope_scaling(full)?;
+    }
+    let local_theta = c["rope_local_base_freq"].as_f64().or_else(|| c["rope_parameters"]["sliding_attention"]["rope_theta"].as_f64()).unwrap_or(10000.0);
+    if let Some(w) = c["sliding_window"].as_u64().filter(|&w| w > 0) {
+        cfg.sliding_window = Some(w as usize);
+        cfg.local_layers = match c["layer_types"].as_array() {
+            Some(types) => types.iter().map(|t| t.as_str() == Some("sliding_attention")).collect(),
+            None => {
+                let n = c["sliding_window_pattern"].as_u64().unwrap_or(6) as usize;
+                (0..cfg.num_layers).map(|i| n == 0 || (i + 1) % n != 0).collect()
+            }
+        };
+        cfg.local_rope_theta = Some(local_theta);
+    }
+    Ok(())
 }
 
 /// config.json's `rope_scaling` (`type` or `rope_type`): linear and llama3 are supported, null
@@ -524,10 +622,11 @@ fn load_hf(dir: &Path, device: &Device, weights: WeightFormat) -> Result<Target>
         ("mistral", _) | (_, "MistralForCausalLM") => "mistral",
         ("qwen2", _) | (_, "Qwen2ForCausalLM") => "qwen2",
         ("qwen3", _) | (_, "Qwen3ForCausalLM") => "qwen3",
+        ("gemma3_text", _) | (_, "Gemma3ForCausalLM") => "gemma3",
         _ => {
             return Err(Error::unsupported(
                 &cfg_path,
-                format!("architecture '{}' (supported: llama, mistral, qwen2, qwen3)", if arch_name.is_empty() { model_type } else { arch_name }),
+                format!("architecture '{}' (supported: {SUPPORTED}; Gemma 3 as its text-only checkpoint, gemma3_text)", if arch_name.is_empty() { model_type } else { arch_name }),
             ))
         }
     };
@@ -566,7 +665,21 @@ fn load_hf(dir: &Path, device: &Device, weights: WeightFormat) -> Result<Target>
         qk_norm: architecture == "qwen3",
         bos_token_id: ids(&c["bos_token_id"]).first().copied(),
         eos_token_ids: ids(&c["eos_token_id"]),
+        embed_scale: false,
+        post_norms: false,
+        activation: Activation::Silu,
+        attn_scale: None,
+        sliding_window: None,
+        local_layers: Vec::new(),
+        local_rope_theta: None,
+        norm_offset: 0.0,
     };
+    if architecture == "gemma3" {
+        gemma3_hf(&mut cfg, &c).map_err(|m| Error::unsupported(&cfg_path, m))?;
+    }
+    if c["use_bidirectional_attention"].as_bool() == Some(true) {
+        return Err(Error::unsupported(&cfg_path, "bidirectional attention (use_bidirectional_attention: true)"));
+    }
     cfg.validate().map_err(|m| Error::bad_file(&cfg_path, m))?;
 
     // Weights: one file or shards listed in the index.

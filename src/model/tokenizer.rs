@@ -153,8 +153,7 @@ impl Tokenizer {
                     Some(Ok(v)) => v.iter().map(|t| t.to_f32().unwrap_or(0.0) as f64).collect(),
                     _ => vec![0.0; tokens.len()],
                 };
-                let vocab: Vec<Json> = tokens.iter().zip(scores.iter().chain(std::iter::repeat(&0.0))).map(|(t, s)| json!([t, s])).collect();
-                let model = json!({"type": "Unigram", "unk_id": unk_id.unwrap_or(0), "vocab": vocab, "byte_fallback": true});
+                let model = spm_merges_model(&tokens, &scores, &types, unk_id);
                 let prefix = get_bool("tokenizer.ggml.add_space_prefix").unwrap_or(true);
                 let mut norms = vec![];
                 if prefix {
@@ -193,9 +192,40 @@ impl Tokenizer {
     }
 }
 
+/// A GGUF "llama" (SentencePiece) vocabulary as the BPE model that tokenizes as llama.cpp does:
+/// starting from characters, repeatedly merge the adjacent pair whose concatenation is a
+/// vocabulary piece with the highest score (the scores of these files rank the pieces: Llama 2's
+/// and Gemma's are minus the merge rank), falling back to `<0xXX>` byte tokens for characters
+/// outside the vocabulary. Every split of a piece into two pieces becomes a merge, ranked by
+/// the piece's score. A Unigram (Viterbi) model over the same scores splits differently: with
+/// Gemma 3's, "The capital of France is" came out as ten pieces where llama.cpp has five.
+fn spm_merges_model(tokens: &[String], scores: &[f64], types: &[i32], unk_id: Option<u32>) -> Json {
+    // Normal (1) and unused (5) pieces take part in merges; control, user-defined and byte
+    // tokens are matched otherwise.
+    let mergeable = |i: usize| matches!(types.get(i), None | Some(1) | Some(5));
+    let index: std::collections::HashMap<&str, usize> = tokens.iter().enumerate().filter(|&(i, _)| mergeable(i)).map(|(i, t)| (t.as_str(), i)).collect();
+    let mut merges: Vec<(f64, usize, usize, usize)> = Vec::new();
+    for (i, t) in tokens.iter().enumerate() {
+        if !mergeable(i) || t.chars().nth(1).is_none() {
+            continue;
+        }
+        for (k, _) in t.char_indices().skip(1) {
+            if let (Some(&a), Some(&b)) = (index.get(&t[..k]), index.get(&t[k..])) {
+                merges.push((scores.get(i).copied().unwrap_or(0.0), i, a, b));
+            }
+        }
+    }
+    // Highest score first; a piece's splits together, left part shortest first.
+    merges.sort_by(|x, y| y.0.total_cmp(&x.0).then(x.1.cmp(&y.1)).then(tokens[x.2].len().cmp(&tokens[y.2].len())));
+    let merges: Vec<Json> = merges.iter().map(|&(_, _, a, b)| json!([tokens[a], tokens[b]])).collect();
+    let vocab: serde_json::Map<String, Json> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
+    json!({"type": "BPE", "dropout": null, "unk_token": unk_id.and_then(|u| tokens.get(u as usize)).cloned(), "continuing_subword_prefix": null,
+        "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true, "ignore_merges": false, "vocab": vocab, "merges": merges})
+}
+
 /// End-of-turn markers of common chat formats also end generation.
 fn add_chat_stops(inner: &tokenizers::Tokenizer, eos: &mut Vec<u32>) {
-    for s in ["<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end|>"] {
+    for s in ["<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end|>", "<end_of_turn>"] {
         if let Some(id) = inner.token_to_id(s) {
             if !eos.contains(&id) {
                 eos.push(id);
@@ -267,7 +297,8 @@ mod tests {
             tokens.push(format!("<0x{b:02X}>"));
             types.push(6);
         }
-        for w in ["\u{2581}the", "\u{2581}cat", "\u{2581}sat", "\u{2581}", "t", "h", "e", "c", "a", "s"] {
+        // As in real SentencePiece-BPE vocabularies, every piece is reachable by merging two.
+        for w in ["\u{2581}the", "\u{2581}cat", "\u{2581}sat", "\u{2581}th", "\u{2581}ca", "\u{2581}sa", "\u{2581}t", "\u{2581}c", "\u{2581}s", "\u{2581}", "t", "h", "e", "c", "a", "s"] {
             tokens.push(w.to_string());
             types.push(1);
         }
@@ -286,7 +317,7 @@ mod tests {
         let t = Tokenizer::from_gguf(std::path::Path::new("spm.gguf"), &md).unwrap();
         let ids = t.encode("the cat sat", true).unwrap();
         assert_eq!(ids[0], 1, "llama tokenizers add BOS");
-        assert_eq!(ids.len(), 4, "{ids:?}: whole-word pieces win on score");
+        assert_eq!(ids.len(), 4, "{ids:?}: pairs merge best score first, up to whole words");
         assert_eq!(t.decode(&ids).unwrap(), "the cat sat");
         // Characters outside the vocabulary fall back to bytes and decode back.
         let ids = t.encode("the \u{e9}", false).unwrap();
