@@ -103,6 +103,16 @@ impl DraftLayerConfig {
         layer.tie_embeddings = true;
         layer.attention_bias = false;
         layer.qk_norm = false;
+        // The draft layer is a plain Llama decoder layer whatever the target's family: none of
+        // Gemma's extras (its training and drafting code implement the Llama layer only).
+        layer.embed_scale = false;
+        layer.post_norms = false;
+        layer.activation = crate::model::Activation::Silu;
+        layer.attn_scale = None;
+        layer.sliding_window = None;
+        layer.local_layers = Vec::new();
+        layer.local_rope_theta = None;
+        layer.norm_offset = 0.0;
         Ok(DraftLayerConfig { layer, target: target.fingerprint()?, recipe: serde_json::Value::Null })
     }
 }
