@@ -19,7 +19,7 @@ fn main() -> anyhow::Result<()> {
             let q = Tensor::randn(0f32, 1., (t, h, d), &dev)?;
             let k = Tensor::randn(0f32, 1., (hkv, s, d), &dev)?.to_dtype(dtype)?;
             let v = Tensor::randn(0f32, 1., (hkv, s, d), &dev)?.to_dtype(dtype)?;
-            let op = TreeAttention { mask: Arc::new(TreeMask::causal(t)), prefix_len: prefix, scale: 0.125 };
+            let op = TreeAttention { mask: Arc::new(TreeMask::causal(t)), prefix_len: prefix, scale: 0.125, first_key: None };
             let mut times = Vec::new();
             for _ in 0..200 {
                 let t0 = Instant::now();

@@ -90,21 +90,33 @@ fn attention_kernel_matches_candle_ops() {
     let k = Tensor::randn(0f32, 1., (hkv, prefix + t, d), &dev).unwrap();
     let v = Tensor::randn(0f32, 1., (hkv, prefix + t, d), &dev).unwrap();
     let mask = TreeMask::from_parents(&[None, Some(0), Some(0), Some(1), Some(2)]).unwrap();
-    let op = TreeAttention { mask: std::sync::Arc::new(mask.clone()), prefix_len: prefix, scale: 0.25 };
+    let op = TreeAttention { mask: std::sync::Arc::new(mask.clone()), prefix_len: prefix, scale: 0.25, first_key: None };
     let a: Vec<f32> = q.apply_op3_no_bwd(&k, &v, &op).unwrap().flatten_all().unwrap().to_vec1().unwrap();
-    let b: Vec<f32> = selfspec::model::attention_candle(&q, &k, &v, &mask, prefix, 0.25).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    let b: Vec<f32> = selfspec::model::attention_candle(&q, &k, &v, &mask, prefix, 0.25, None).unwrap().flatten_all().unwrap().to_vec1().unwrap();
     assert!(max_diff(&a, &b) < 1e-5);
     // Queries for the mask's last 2 nodes only, the first 3 already in the cache after the
     // prefix: the same rows, the same bits as when all 5 are queried.
     let q2 = q.narrow(0, 3, 2).unwrap();
     let a2: Vec<f32> = q2.apply_op3_no_bwd(&k, &v, &op).unwrap().flatten_all().unwrap().to_vec1().unwrap();
     assert_eq!(a2, a[3 * h * d..]);
-    let b2: Vec<f32> = selfspec::model::attention_candle(&q2, &k, &v, &mask, prefix, 0.25).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    let b2: Vec<f32> = selfspec::model::attention_candle(&q2, &k, &v, &mask, prefix, 0.25, None).unwrap().flatten_all().unwrap().to_vec1().unwrap();
     assert!(max_diff(&a2, &b2) < 1e-5);
     // Keys that do not cover the prefix and the whole mask are refused.
     let short = k.narrow(1, 0, prefix + 4).unwrap();
     assert!(q2.apply_op3_no_bwd(&short, &v.narrow(1, 0, prefix + 4).unwrap(), &op).is_err());
-    assert!(selfspec::model::attention_candle(&q2, &short, &v.narrow(1, 0, prefix + 4).unwrap(), &mask, prefix, 0.25).is_err());
+    assert!(selfspec::model::attention_candle(&q2, &short, &v.narrow(1, 0, prefix + 4).unwrap(), &mask, prefix, 0.25, None).is_err());
+    // A sliding window: each row sees keys from its own first slot on (cached or new). The
+    // kernel agrees with candle's ops, and a row's bits do not depend on the other rows'
+    // windows (row 4 alone, with the same first slot, gives the same bits).
+    let firsts = vec![2usize, 3, 0, 8, 9];
+    let wop = TreeAttention { first_key: Some(std::sync::Arc::new(firsts.clone())), ..op.clone() };
+    let aw: Vec<f32> = q.apply_op3_no_bwd(&k, &v, &wop).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    let bw: Vec<f32> = selfspec::model::attention_candle(&q, &k, &v, &mask, prefix, 0.25, Some(&firsts)).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    assert!(max_diff(&aw, &bw) < 1e-5);
+    assert!(max_diff(&aw, &a) > 1e-3, "the window changed nothing");
+    let one = TreeAttention { first_key: Some(std::sync::Arc::new(vec![9])), ..op.clone() };
+    let a4: Vec<f32> = q.narrow(0, 4, 1).unwrap().apply_op3_no_bwd(&k, &v, &one).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    assert_eq!(a4, aw[4 * h * d..]);
 }
 
 #[test]

@@ -84,6 +84,7 @@ impl TreeMask {
 /// cache after the prefix (a drafter's earlier tree levels), seen only by their descendants.
 /// Keys are visited in slot order and masked keys are skipped, so a node's output is
 /// bit-identical to the one computed when its path is decoded one token at a time.
+#[derive(Clone)]
 pub struct TreeAttention {
     pub mask: std::sync::Arc<TreeMask>,
     pub prefix_len: usize,
