@@ -52,7 +52,6 @@ pub const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + messag
 
 /// A small Llama config with the tiny vocabulary.
 pub fn tiny_config() -> Config {
-    use crate::model::Activation;
     Config {
         architecture: "llama".into(),
         vocab_size: tiny_vocab().0.len(),
@@ -71,14 +70,7 @@ pub fn tiny_config() -> Config {
         qk_norm: false,
         bos_token_id: None,
         eos_token_ids: vec![],
-        embed_scale: false,
-        post_norms: false,
-        activation: Activation::Silu,
-        attn_scale: None,
-        sliding_window: None,
-        local_layers: Vec::new(),
-        local_rope_theta: None,
-        norm_offset: 0.0,
+        ..Default::default()
     }
 }
 

@@ -19,7 +19,9 @@ use crate::{Error, Result};
 /// a bound keeps a hostile file's context from reaching sizes nothing here was tested at).
 pub const MAX_CONTEXT: usize = 1 << 21;
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// `Default` is an empty Llama (zero sizes, which `validate` refuses): loaders fill in what a
+/// file says and leave the family extras (Gemma's) at their Llama values.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct Config {
     /// "llama", "mistral" or "qwen2": recorded in head fingerprints.
     pub architecture: String,
@@ -1189,14 +1191,7 @@ mod tests {
             qk_norm: false,
             bos_token_id: Some(1),
             eos_token_ids: vec![2],
-            embed_scale: false,
-            post_norms: false,
-            activation: super::Activation::Silu,
-            attn_scale: None,
-            sliding_window: None,
-            local_layers: Vec::new(),
-            local_rope_theta: None,
-            norm_offset: 0.0,
+            ..Default::default()
         }
     }
 

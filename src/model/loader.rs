@@ -391,14 +391,7 @@ fn load_gguf(path: &Path, device: &Device, weights: WeightFormat) -> Result<Targ
         qk_norm: file.has("blk.0.attn_q_norm.weight"),
         bos_token_id: tokenizer.bos_id,
         eos_token_ids: tokenizer.eos_ids.clone(),
-        embed_scale: false,
-        post_norms: false,
-        activation: Activation::Silu,
-        attn_scale: None,
-        sliding_window: None,
-        local_layers: Vec::new(),
-        local_rope_theta: None,
-        norm_offset: 0.0,
+        ..Default::default()
     };
     if arch == "gemma3" {
         gemma3_gguf(&mut cfg, &file, &key)?;
@@ -665,14 +658,7 @@ fn load_hf(dir: &Path, device: &Device, weights: WeightFormat) -> Result<Target>
         qk_norm: architecture == "qwen3",
         bos_token_id: ids(&c["bos_token_id"]).first().copied(),
         eos_token_ids: ids(&c["eos_token_id"]),
-        embed_scale: false,
-        post_norms: false,
-        activation: Activation::Silu,
-        attn_scale: None,
-        sliding_window: None,
-        local_layers: Vec::new(),
-        local_rope_theta: None,
-        norm_offset: 0.0,
+        ..Default::default()
     };
     if architecture == "gemma3" {
         gemma3_hf(&mut cfg, &c).map_err(|m| Error::unsupported(&cfg_path, m))?;
