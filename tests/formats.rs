@@ -6,7 +6,7 @@ mod common;
 use std::path::PathBuf;
 
 use candle_core::quantized::GgmlDType;
-use candle_core::Device;
+use candle_core::{Device, Tensor};
 use common::*;
 use selfspec::model::fixtures;
 use selfspec::decode::generate::{generate_plain, StopRule};
@@ -88,7 +88,9 @@ fn tree_forward_is_bit_identical_to_sequential_in_every_format() {
 
 /// A batched forward over independent sequences (batched distillation) gives each row the same
 /// bits as that sequence's own forward, in every format: sequences of different lengths, one
-/// of them a small tree, each after its own prefix.
+/// of them a small tree and one a 66-token prompt chunk (so the forward holds more rows than a
+/// tree may, as a server's does), each after its own prefix. The chunk's rows also equal the
+/// same tokens run in two smaller pieces: prefill chunking changes no bits.
 #[test]
 fn batched_forward_matches_each_sequence_alone_in_every_format() {
     use selfspec::cpu::TreeMask;
@@ -99,9 +101,10 @@ fn batched_forward_matches_each_sequence_alone_in_every_format() {
     let path = dir.join("q41.gguf");
     fixtures::write_gguf_as(&path, &cfg, &w, GgmlDType::Q4_1).unwrap();
     let mut t = Target::load(&path, &Device::Cpu).unwrap();
-    let prompts: Vec<Vec<u32>> = (0..3).map(|s| (0..5 + 4 * s).map(|i| ((i * 23 + 11 * s + 1) % 260) as u32).collect()).collect();
-    let news: Vec<Vec<u32>> = vec![vec![7], vec![9, 31, 44], vec![100]];
-    let masks = [TreeMask::causal(1), TreeMask::from_parents(&[None, Some(0), Some(0)]).unwrap(), TreeMask::causal(1)];
+    let prompts: Vec<Vec<u32>> = (0..4).map(|s| (0..5 + 4 * s).map(|i| ((i * 23 + 11 * s + 1) % 260) as u32).collect()).collect();
+    let chunk: Vec<u32> = (0..66).map(|i| ((i * 37 + 5) % 260) as u32).collect();
+    let news: Vec<Vec<u32>> = vec![vec![7], vec![9, 31, 44], vec![100], chunk];
+    let masks = [TreeMask::causal(1), TreeMask::from_parents(&[None, Some(0), Some(0)]).unwrap(), TreeMask::causal(1), TreeMask::causal(66)];
     for f in WeightFormat::ALL {
         t.set_weights(f).unwrap();
         let m = &t.model;
@@ -114,9 +117,16 @@ fn batched_forward_matches_each_sequence_alone_in_every_format() {
             m.forward_causal(p, &mut c2).unwrap();
             let pos: Vec<usize> = match n.len() {
                 1 => vec![p.len()],
-                _ => vec![p.len(), p.len() + 1, p.len() + 1],
+                3 => vec![p.len(), p.len() + 1, p.len() + 1],
+                _ => (p.len()..p.len() + n.len()).collect(),
             };
-            alone.push(m.forward(n, &pos, mask, &mut c).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap());
+            let own = if n.len() > 3 {
+                let a = m.forward_causal(&n[..30], &mut c).unwrap();
+                Tensor::cat(&[a, m.forward_causal(&n[30..], &mut c).unwrap()], 0).unwrap()
+            } else {
+                m.forward(n, &pos, mask, &mut c).unwrap()
+            };
+            alone.push(own.flatten_all().unwrap().to_vec1::<f32>().unwrap());
             caches.push((c2, pos));
         }
         let positions: Vec<Vec<usize>> = caches.iter().map(|(_, p)| p.clone()).collect();
@@ -129,8 +139,8 @@ fn batched_forward_matches_each_sequence_alone_in_every_format() {
             .collect();
         let got = m.forward_batch(&mut entries).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(got, alone.concat(), "{f}: batched rows differ from each sequence's own forward");
-        for (c, p) in caches.iter().zip(&prompts) {
-            assert_eq!(c.0.len(), p.len() + if c.1.len() == 1 { 1 } else { 3 }, "{f}: each cache committed its own tokens");
+        for ((c, p), n) in caches.iter().zip(&prompts).zip(&news) {
+            assert_eq!(c.0.len(), p.len() + n.len(), "{f}: each cache committed its own tokens");
         }
     }
     // Bad batches are refused, not run: none at all, or positions that do not match the tokens.

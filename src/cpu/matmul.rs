@@ -314,8 +314,9 @@ unsafe fn matmul_block_avx2(x: &[f32], m: usize, k: usize, w: &[f32], n0: usize,
     matmul_block(x, m, k, w, n0, n1, n, out)
 }
 
-/// Rows up to which the CPU uses the batch-invariant kernel; larger calls (prefill, training)
-/// use candle's gemm, which is faster there and need not match decode bit for bit.
+/// Rows up to which a layer without a packed copy ([`matmul_xwt`], e.g. the heads' first layer)
+/// uses the batch-invariant kernel; larger calls use candle's gemm. Packed weights
+/// ([`matmul_packed`]) take every row count.
 pub const ROW_KERNEL_MAX_ROWS: usize = 64;
 
 /// `out[m][n] = sum_k x[m][k] * w[n][k]` (a linear layer without bias), batch-invariant.

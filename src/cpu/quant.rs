@@ -618,11 +618,6 @@ impl CpuWeight {
             CpuWeight::Quant(_) => "q8_0",
         }
     }
-    /// f32 keeps candle's gemm for large row counts (prefill, training), where it is faster;
-    /// the compact formats always use their own kernel, so the format decides the numerics.
-    pub fn prefers_kernel(&self, rows: usize) -> bool {
-        !matches!(self, CpuWeight::F32(_)) || rows <= crate::cpu::ROW_KERNEL_MAX_ROWS
-    }
 
     /// `out[m][n] = sum_k x[m][k] * w[n][k]`, batch-invariant.
     pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {

@@ -259,12 +259,9 @@ pub fn hidden_states(target: &Target, chunk: &[u32], cache: Option<&HiddenCache>
         }
     }
     let mut cache = target.model.new_cache()?;
-    // On the CPU, pieces of at most ROW_KERNEL_MAX_ROWS tokens run on the row kernel, which
-    // reads each weight once per piece: a 256-token chunk costs 1.4x less than one gemm call
-    // over it (measured on the 2-core dev box), and the states carry decoding's own numerics.
-    let piece = if target.model.device().is_cpu() { crate::cpu::ROW_KERNEL_MAX_ROWS } else { chunk.len().max(1) };
-    let parts = chunk.chunks(piece).map(|p| target.model.forward_causal(p, &mut cache)).collect::<Result<Vec<_>>>()?;
-    let h = if parts.len() == 1 { parts.into_iter().next().expect("one part") } else { Tensor::cat(&parts, 0)? };
+    // On the CPU the whole chunk runs on the batch-invariant kernels, so the states carry
+    // decoding's own numerics.
+    let h = target.model.forward_causal(chunk, &mut cache)?;
     if let Some(f) = &file {
         std::fs::create_dir_all(f.parent().unwrap()).map_err(|e| Error::io(f, e))?;
         let tmp = f.with_extension("tmp");
