@@ -34,11 +34,14 @@ fn load() -> (Target, Drafter) {
     (t, d)
 }
 
+/// `always_draft`: every step drafts, so the exactness test does not depend on whether drafting
+/// happened to measure faster than plain batched decoding on this machine.
 fn config(max_batch: usize, queue: usize, api_key: Option<&str>) -> ServeConfig {
     ServeConfig {
         addr: "127.0.0.1:0".parse().unwrap(),
         model_name: "smollm2".into(),
         plan: Plan::parse(DEFAULT_TREE).unwrap(),
+        always_draft: true,
         max_batch,
         queue,
         body_limit: 64 * 1024,
@@ -146,6 +149,11 @@ fn eight_concurrent_requests_get_exactly_what_generate_gives_them() {
 fn bad_requests_get_openai_errors_and_the_server_keeps_going() {
     let (target, drafter) = load();
     let context = target.model.config().max_position;
+    // The stop-string request below, decoded plainly: `usage` counts its tokens up to and
+    // including the one that completes " 7", not those a step emitted after it.
+    let ids = target.tokenizer.encode("1, 2, 3, 4,", true).unwrap();
+    let (plain, _) = generate_plain(&target.model, &ids, &SamplingParams::greedy(), &StopRule { max_new_tokens: 30, eos_ids: &target.tokenizer.eos_ids }, &mut rng(0), &mut |_| Ok(())).unwrap();
+    let through_stop = (1..=plain.len()).find(|&n| target.tokenizer.decode(&plain[..n]).unwrap().contains(" 7")).expect("the plain answer reaches 7");
     let (state, engine) = prepare(target, Some(drafter), None, &config(1, 1, Some("sesame"))).unwrap();
     let app = http::router(state, 64 * 1024);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
@@ -182,6 +190,8 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_going() {
         let text = v["choices"][0]["text"].as_str().unwrap();
         assert_eq!(v["choices"][0]["finish_reason"], "stop", "{text:?}");
         assert!(text.contains('6') && !text.contains('7'), "{text:?}");
+        assert_eq!(v["usage"]["completion_tokens"].as_u64().unwrap() as usize, through_stop, "{v}");
+        assert!(through_stop < plain.len(), "the test needs tokens after the stop string");
         // One place in the batch and one in the queue: of six long requests at once, some are
         // refused with 503 and Retry-After, and the rest are answered.
         let mut tasks = Vec::new();

@@ -29,7 +29,7 @@ pub struct GenerateArgs {
     /// cpu (8 nodes), gpu (64), chain, chain:N, dynamic, dynamic:N, auto, auto:N (cut per step
     /// by this device's measured costs), or a tree JSON file; append +lookup[:N] to graft up to
     /// N tokens copied from the context (prompt lookup). See docs/trees.md.
-    #[arg(long, default_value = DEFAULT_TREE, help_heading = "Drafter")]
+    #[arg(long, default_value = DEFAULT_TREE, requires = "drafter", help_heading = "Drafter")]
     tree: String,
     /// Medusa's typical acceptance. LOSSY: the output no longer follows the target's distribution.
     #[arg(long, help_heading = "Drafter")]

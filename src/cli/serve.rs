@@ -16,8 +16,13 @@ pub struct ServeArgs {
     drafter: DrafterArgs,
     /// The tree each request drafts (as `generate --tree`); `auto` trees are cut per step for
     /// the whole batch by this device's measured costs, so they shrink as load grows.
-    #[arg(long, default_value = DEFAULT_TREE, help_heading = "Drafter")]
+    #[arg(long, default_value = DEFAULT_TREE, requires = "drafter", help_heading = "Drafter")]
     tree: String,
+    /// Draft at every batch size. By default the server measures, per number of sequences
+    /// decoding together, whether drafting is faster than plain batched decoding, and drafts
+    /// only where it is.
+    #[arg(long, help_heading = "Drafter")]
+    always_draft: bool,
     /// Address to listen on. The default takes connections from this machine only.
     #[arg(long, default_value = "127.0.0.1")]
     host: IpAddr,
@@ -71,6 +76,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         addr: SocketAddr::new(a.host, a.port),
         model_name: model_name.clone(),
         plan,
+        always_draft: a.always_draft,
         max_batch: a.max_batch,
         queue: a.queue,
         body_limit: a.max_body,

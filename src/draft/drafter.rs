@@ -212,7 +212,8 @@ impl DraftState<'_> {
     pub fn commit(&mut self, model: &Llama, hidden: &Tensor, accepted: &[usize], emitted: &[u32]) -> Result<()> {
         match self {
             DraftState::Heads { h_last, .. } => {
-                *h_last = hidden.narrow(0, *accepted.last().expect("the root is always accepted"), 1)?;
+                // A copy: `hidden` may be a whole batch's forward, which a view would keep alive.
+                *h_last = hidden.narrow(0, *accepted.last().expect("the root is always accepted"), 1)?.copy()?;
                 Ok(())
             }
             DraftState::Layer { layer, cache, root_feat } => {

@@ -108,6 +108,8 @@ pub struct EngineConfig {
     pub queue: usize,
     /// The cost of a forward by rows, for cutting a batch's trees.
     pub costs: Option<CostCurve>,
+    /// Draft at every batch size rather than where [`DraftPolicy`] measured it paying.
+    pub always_draft: bool,
 }
 
 /// The handle request handlers submit to.
@@ -162,7 +164,11 @@ struct Active<'d> {
     job: Job,
     text: TextStream<'d>,
     stop: StopMatch,
+    /// Tokens of `seq.output()` handled so far: sent, or dropped after a stop string.
     sent_tokens: usize,
+    /// Tokens that are part of the answer: up to and including the one that completed a stop
+    /// string (what `usage` counts; tokens emitted after it in the same step are not).
+    answer_tokens: usize,
     /// Whether the text stream's held-back bytes were sent (once, at the end).
     flushed: bool,
 }
@@ -211,7 +217,7 @@ fn run(target: &Target, drafter: Option<&Drafter>, datastore: Option<&Datastore>
             match Sequence::new(model, drafter, &job.prompt, opts, rng(job.seed)) {
                 Ok(seq) => {
                     let stop = StopMatch::new(job.stop.clone());
-                    active.push(Active { seq, job, text: TextStream::new(&target.tokenizer), stop, sent_tokens: 0, flushed: false });
+                    active.push(Active { seq, job, text: TextStream::new(&target.tokenizer), stop, sent_tokens: 0, answer_tokens: 0, flushed: false });
                 }
                 Err(e) => {
                     m.requests_failed.fetch_add(1, Ordering::Relaxed);
@@ -224,7 +230,7 @@ fn run(target: &Target, drafter: Option<&Drafter>, datastore: Option<&Datastore>
         }
         m.batch_size.store(active.len(), Ordering::Relaxed);
         step_no += 1;
-        if let Err(e) = step(model, &mut active, &mut batch_costs, &mut policy, step_no, m) {
+        if let Err(e) = step(model, &mut active, &mut batch_costs, &mut policy, cfg.always_draft, step_no, m) {
             // A failed forward leaves every cache in an unknown state: end all of them, loudly.
             for a in active.drain(..) {
                 m.requests_failed.fetch_add(1, Ordering::Relaxed);
@@ -251,11 +257,11 @@ fn run(target: &Target, drafter: Option<&Drafter>, datastore: Option<&Datastore>
 }
 
 /// One forward over every active sequence.
-fn step(model: &crate::model::Llama, active: &mut [Active], batch_costs: &mut Option<LiveCosts>, policy: &mut DraftPolicy, step_no: u64, m: &Metrics) -> Result<()> {
+fn step(model: &crate::model::Llama, active: &mut [Active], batch_costs: &mut Option<LiveCosts>, policy: &mut DraftPolicy, always_draft: bool, step_no: u64, m: &Metrics) -> Result<()> {
     let t0 = Instant::now();
     let decoding = active.iter().filter(|a| a.seq.is_decoding()).count();
     let prefilling = active.len() - decoding;
-    let draft = policy.choose(decoding, step_no);
+    let draft = always_draft || policy.choose(decoding, step_no);
     let mut prefill_left = PREFILL_TOKENS_PER_STEP;
     let mut works: Vec<Option<Work>> = Vec::with_capacity(active.len());
     for a in active.iter_mut() {
@@ -429,10 +435,13 @@ fn deliver(a: &mut Active, m: &Metrics) {
     let eos = a.seq.ended_on_eos() && a.seq.is_done();
     let last = a.seq.is_done() && !a.flushed;
     let new = a.sent_tokens..out.len();
-    m.completion_tokens.fetch_add(new.len() as u64, Ordering::Relaxed);
-    m.accepted_draft_tokens.fetch_add(a.seq.stats().drafted[new.clone()].iter().filter(|&&d| d).count() as u64, Ordering::Relaxed);
+    let had_new = !new.is_empty();
+    a.sent_tokens = out.len();
     for j in new {
         let drafted = a.seq.stats().drafted.get(j).copied().unwrap_or(false);
+        a.answer_tokens = j + 1;
+        m.completion_tokens.fetch_add(1, Ordering::Relaxed);
+        m.accepted_draft_tokens.fetch_add(drafted as u64, Ordering::Relaxed);
         // The end-of-sequence token is not part of the answer's text.
         let mut piece = if eos && j + 1 == out.len() {
             String::new()
@@ -462,7 +471,7 @@ fn deliver(a: &mut Active, m: &Metrics) {
     if last {
         a.flushed = true;
         // Done without a new token (the context filled): send what was held back.
-        if a.sent_tokens == out.len() {
+        if !had_new {
             let mut piece = a.text.finish().ok().flatten().unwrap_or_default();
             let (text, _) = a.stop.push(&std::mem::take(&mut piece), true);
             if !text.is_empty() {
@@ -470,7 +479,6 @@ fn deliver(a: &mut Active, m: &Metrics) {
             }
         }
     }
-    a.sent_tokens = out.len();
 }
 
 fn finish(a: Active, m: &Metrics) {
@@ -478,12 +486,14 @@ fn finish(a: Active, m: &Metrics) {
     let eos = a.seq.ended_on_eos();
     let seed = a.job.seed;
     let events = a.job.events.clone();
-    let (out, stats, _) = a.seq.finish();
-    let accepted = stats.drafted.iter().filter(|&&d| d).count();
+    let kept = a.answer_tokens;
+    let (_, stats, _) = a.seq.finish();
+    // Tokens emitted in the same step after a stop string are not part of the answer.
+    let accepted = stats.drafted[..kept.min(stats.drafted.len())].iter().filter(|&&d| d).count();
     let summary = Summary {
         finish_reason: if hit_stop || eos { "stop" } else { "length" },
         prompt_tokens: stats.gen.prompt_tokens,
-        completion_tokens: out.len(),
+        completion_tokens: kept,
         target_forwards: stats.gen.target_forwards,
         tau: stats.tau(),
         accepted_draft_tokens: accepted,

@@ -28,7 +28,11 @@ pub const BATCH_CURVE_ROWS: usize = 64;
 pub struct ServeConfig {
     pub addr: SocketAddr,
     pub model_name: String,
+    /// The tree requests draft; unused without a drafter (decoding is then plain).
     pub plan: Plan,
+    /// Draft at every batch size, instead of only where drafting measured faster than not
+    /// ([`engine::DraftPolicy`]): for tests and comparisons.
+    pub always_draft: bool,
     pub max_batch: usize,
     pub queue: usize,
     pub body_limit: usize,
@@ -54,7 +58,7 @@ pub fn prepare(target: Target, drafter: Option<Drafter>, datastore: Option<Datas
         }
         None => (cfg.plan.tree.clone(), None),
     };
-    let ecfg = engine::EngineConfig { tree, lookup: drafter.as_ref().and(lookup), max_batch: cfg.max_batch, queue: cfg.queue, costs };
+    let ecfg = engine::EngineConfig { tree, lookup: drafter.as_ref().and(lookup), max_batch: cfg.max_batch, queue: cfg.queue, costs, always_draft: cfg.always_draft };
     let (handle, thread) = engine::start(target.clone(), drafter.map(Arc::new), datastore.map(Arc::new), ecfg)?;
     let state = Arc::new(http::AppState {
         engine: handle,

@@ -166,7 +166,7 @@ pub struct Sequence<'d> {
     /// Steps decoded without drafting (`next_work(.., draft: false)`) whose features the
     /// drafter has not seen yet: the accepted root's hidden row and the token that followed.
     /// Handed to the drafter in one call when drafting resumes, so a step that skips drafting
-    /// costs no drafter work at all.
+    /// costs no drafter work at all. Rows are copies, not views of a batch's forward.
     lag: Vec<(Tensor, u32)>,
     /// Whether the work out now skipped drafting.
     skipping: bool,
@@ -372,20 +372,28 @@ impl<'d> Sequence<'d> {
         match (work, &mut self.phase) {
             (Work::Prefill { tokens, .. }, Phase::Prefill { done, hidden: hs }) => {
                 *done += tokens.len();
-                hs.push(hidden);
+                // Only a drafter reads the prompt's states, and a copy: `hidden` may be a view
+                // of a whole batch's forward, which it would otherwise keep alive.
+                if self.drafter.is_some() {
+                    hs.push(hidden.copy()?);
+                }
                 self.stats.gen.prefill_secs += forward_ms / 1e3;
                 if *done < self.prompt_len {
                     return Ok(0);
                 }
-                let hidden = if hs.len() == 1 { hs.pop().expect("one") } else { Tensor::cat(hs, 0)? };
+                let states = match hs.len() {
+                    0 => None,
+                    1 => hs.pop(),
+                    _ => Some(Tensor::cat(hs, 0)?),
+                };
                 let logits = logits.ok_or_else(|| Error::InvalidArgument("the prompt's last row needs its logits".into()))?;
                 let first = self.opts.params.choose(&row_to_vec(&logits, 0)?, &self.history, &mut self.rng);
                 self.started = Instant::now();
                 let done = self.emit(first, false, on_token)?;
-                self.phase = match (done, self.drafter) {
-                    (true, _) => Phase::Done,
-                    (false, Some(d)) => Phase::Decode(Some(d.start(model, &hidden, &self.history[..self.prompt_len], first)?)),
-                    (false, None) => Phase::Decode(None),
+                self.phase = match (done, self.drafter, states) {
+                    (true, _, _) => Phase::Done,
+                    (false, Some(d), Some(states)) => Phase::Decode(Some(d.start(model, &states, &self.history[..self.prompt_len], first)?)),
+                    (false, _, _) => Phase::Decode(None),
                 };
             }
             (Work::Tree { draft, .. }, Phase::Decode(_)) => {
@@ -432,7 +440,7 @@ impl<'d> Sequence<'d> {
                     }
                 }
                 match (&mut self.phase, done) {
-                    (Phase::Decode(Some(_)), false) if self.skipping => self.lag.push((hidden.narrow(0, 0, 1)?, verdict.emitted[0])),
+                    (Phase::Decode(Some(_)), false) if self.skipping => self.lag.push((hidden.narrow(0, 0, 1)?.copy()?, verdict.emitted[0])),
                     (Phase::Decode(Some(state)), false) => state.commit(model, &hidden, &verdict.accepted, &verdict.emitted)?,
                     (_, true) => self.phase = Phase::Done,
                     _ => {}
