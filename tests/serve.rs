@@ -235,6 +235,8 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_going() {
         assert!(cancelled, "{}", metrics().await);
         let (s, _, _) = call(&app, "/v1/completions", ok, key).await;
         assert_eq!(s, StatusCode::OK);
+        let health = app.clone().oneshot(Request::get("/health").body(Body::empty()).unwrap()).await.unwrap();
+        assert_eq!(health.status(), StatusCode::OK, "the engine runs on after errors and cancellations");
         // The page is served without the key, as one self-contained file.
         let page = app.clone().oneshot(Request::get("/").body(Body::empty()).unwrap()).await.unwrap();
         assert_eq!(page.status(), StatusCode::OK);

@@ -117,6 +117,16 @@ pub struct EngineConfig {
 pub struct EngineHandle {
     tx: SyncSender<Job>,
     pub metrics: Arc<Metrics>,
+    running: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// Marks the engine stopped when its thread ends, however it ends.
+struct Running(Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
 }
 
 /// Why a job was not queued.
@@ -126,6 +136,11 @@ pub enum Refused {
 }
 
 impl EngineHandle {
+    /// Whether the engine thread is still decoding (what `/health` reports).
+    pub fn is_running(&self) -> bool {
+        self.running.load(Ordering::SeqCst)
+    }
+
     pub fn submit(&self, job: Job) -> std::result::Result<(), Refused> {
         self.metrics.queue_depth.fetch_add(1, Ordering::SeqCst);
         match self.tx.try_send(job) {
@@ -151,11 +166,16 @@ pub fn start(target: Arc<Target>, drafter: Option<Arc<Drafter>>, datastore: Opti
     let (tx, rx) = std::sync::mpsc::sync_channel::<Job>(cfg.queue);
     let metrics = Arc::new(Metrics::default());
     let m = metrics.clone();
+    let running = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let guard = Running(running.clone());
     let thread = std::thread::Builder::new()
         .name("selfspec-engine".into())
-        .spawn(move || run(&target, drafter.as_deref(), datastore.as_deref(), &cfg, rx, &m))
+        .spawn(move || {
+            let _guard = guard;
+            run(&target, drafter.as_deref(), datastore.as_deref(), &cfg, rx, &m)
+        })
         .map_err(|e| Error::InvalidArgument(format!("cannot start the engine thread: {e}")))?;
-    Ok((EngineHandle { tx, metrics }, thread))
+    Ok((EngineHandle { tx, metrics, running }, thread))
 }
 
 /// A sequence in flight and what its request needs besides.
@@ -171,6 +191,19 @@ struct Active<'d> {
     answer_tokens: usize,
     /// Whether the text stream's held-back bytes were sent (once, at the end).
     flushed: bool,
+    /// The sequence hit an error of its own and was told so; it leaves at the next retirement.
+    failed: bool,
+}
+
+impl Active<'_> {
+    /// End this sequence alone with an error (the others in the batch go on).
+    fn fail(&mut self, e: impl std::fmt::Display) {
+        if !self.failed {
+            let _ = self.job.events.send(Event::Failed(format!("decoding failed: {e}")));
+        }
+        self.failed = true;
+        self.seq.stop();
+    }
 }
 
 fn run(target: &Target, drafter: Option<&Drafter>, datastore: Option<&Datastore>, cfg: &EngineConfig, rx: Receiver<Job>, m: &Metrics) {
@@ -203,6 +236,11 @@ fn run(target: &Target, drafter: Option<&Drafter>, datastore: Option<&Datastore>
                 }
             };
             m.queue_depth.fetch_sub(1, Ordering::SeqCst);
+            if job.events.is_closed() {
+                // Its client left while it waited: nothing to decode.
+                m.requests_cancelled.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
             m.requests.fetch_add(1, Ordering::Relaxed);
             m.prompt_tokens.fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
             let rule = Rule::for_params(&job.params, false);
@@ -214,10 +252,12 @@ fn run(target: &Target, drafter: Option<&Drafter>, datastore: Option<&Datastore>
                 params: job.params.clone(),
                 stop: StopRule { max_new_tokens: job.max_tokens, eos_ids: &target.tokenizer.eos_ids },
             };
-            match Sequence::new(model, drafter, &job.prompt, opts, rng(job.seed)) {
+            let started = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Sequence::new(model, drafter, &job.prompt, opts, rng(job.seed))))
+                .unwrap_or_else(|p| Err(Error::InvalidArgument(format!("internal error: {}", panic_message(&p)))));
+            match started {
                 Ok(seq) => {
                     let stop = StopMatch::new(job.stop.clone());
-                    active.push(Active { seq, job, text: TextStream::new(&target.tokenizer), stop, sent_tokens: 0, answer_tokens: 0, flushed: false });
+                    active.push(Active { seq, job, text: TextStream::new(&target.tokenizer), stop, sent_tokens: 0, answer_tokens: 0, flushed: false, failed: false });
                 }
                 Err(e) => {
                     m.requests_failed.fetch_add(1, Ordering::Relaxed);
@@ -230,19 +270,26 @@ fn run(target: &Target, drafter: Option<&Drafter>, datastore: Option<&Datastore>
         }
         m.batch_size.store(active.len(), Ordering::Relaxed);
         step_no += 1;
-        if let Err(e) = step(model, &mut active, &mut batch_costs, &mut policy, cfg.always_draft, step_no, m) {
-            // A failed forward leaves every cache in an unknown state: end all of them, loudly.
-            for a in active.drain(..) {
+        // A sequence's own error ends that sequence alone (inside `step`); an error or a panic
+        // in what they share (the forward) leaves every cache in an unknown state: end all of
+        // them, loudly, and go on serving.
+        let stepped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| step(model, &mut active, &mut batch_costs, &mut policy, cfg.always_draft, step_no, m)))
+            .unwrap_or_else(|p| Err(Error::InvalidArgument(format!("internal error: {}", panic_message(&p)))));
+        if let Err(e) = stepped {
+            for mut a in active.drain(..) {
                 m.requests_failed.fetch_add(1, Ordering::Relaxed);
-                let _ = a.job.events.send(Event::Failed(format!("decoding failed: {e}")));
+                a.fail(&e);
             }
             continue;
         }
-        // Retire finished and abandoned sequences (dropping one frees its KV cache).
+        // Retire finished, failed and abandoned sequences (dropping one frees its KV cache).
         let mut i = 0;
         while i < active.len() {
             let a = &active[i];
-            if a.job.events.is_closed() {
+            if a.failed {
+                m.requests_failed.fetch_add(1, Ordering::Relaxed);
+                active.swap_remove(i);
+            } else if a.job.events.is_closed() {
                 m.requests_cancelled.fetch_add(1, Ordering::Relaxed);
                 active.swap_remove(i);
             } else if a.seq.is_done() {
@@ -266,15 +313,16 @@ fn step(model: &crate::model::Llama, active: &mut [Active], batch_costs: &mut Op
     let mut works: Vec<Option<Work>> = Vec::with_capacity(active.len());
     for a in active.iter_mut() {
         let w = if a.seq.is_decoding() {
-            a.seq.next_work(model, 0, draft)?
+            a.seq.next_work(model, 0, draft)
         } else if prefill_left > 0 {
-            let w = a.seq.next_work(model, prefill_left, draft)?;
-            prefill_left -= w.as_ref().map_or(0, |w| w.tokens().len());
-            w
+            a.seq.next_work(model, prefill_left, draft).inspect(|w| prefill_left -= w.as_ref().map_or(0, |w| w.tokens().len()))
         } else {
-            None
+            Ok(None)
         };
-        works.push(w);
+        works.push(w.unwrap_or_else(|e| {
+            a.fail(e);
+            None
+        }));
     }
     // Cut the trees: alone, as generate cuts (by the sequence's own costs); together, by the
     // batch's cost curve.
@@ -282,7 +330,7 @@ fn step(model: &crate::model::Llama, active: &mut [Active], batch_costs: &mut Op
     if decoding == 1 || batch_costs.is_none() {
         for &i in &trees {
             let w = works[i].take().expect("a tree");
-            works[i] = Some(active[i].seq.cut(w)?);
+            works[i] = active[i].seq.cut(w).map_err(|e| active[i].fail(e)).ok();
         }
     } else if !trees.is_empty() {
         let costs = batch_costs.as_ref().expect("checked").curve();
@@ -302,7 +350,7 @@ fn step(model: &crate::model::Llama, active: &mut [Active], batch_costs: &mut Op
         let keep = choose_nodes_batch(&refs, &shifted, fixed_ms);
         for (k, &i) in trees.iter().enumerate() {
             let w = works[i].take().expect("a tree");
-            works[i] = Some(active[i].seq.restrict(w, &keep[k])?);
+            works[i] = active[i].seq.restrict(w, &keep[k]).map_err(|e| active[i].fail(e)).ok();
         }
     }
     // One forward over everything.
@@ -356,7 +404,13 @@ fn step(model: &crate::model::Llama, active: &mut [Active], batch_costs: &mut Op
         };
         let a = &mut active[i];
         let was_decoding = a.seq.is_decoding();
-        let n = a.seq.finish_work(model, w, h, l, rows, ms, &mut |_, _| Ok(()))?;
+        let n = match a.seq.finish_work(model, w, h, l, rows, ms, &mut |_, _| Ok(())) {
+            Ok(n) => n,
+            Err(e) => {
+                a.fail(e);
+                continue;
+            }
+        };
         if was_decoding {
             m.sequence_steps.fetch_add(1, Ordering::Relaxed);
             m.decode_tokens.fetch_add(n as u64, Ordering::Relaxed);
@@ -418,6 +472,11 @@ impl DraftPolicy {
     }
 }
 
+/// The text of a caught panic.
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_else(|| "a panic".into())
+}
+
 /// The curve as seen by rows that start after `base` rows already in the forward.
 fn shift_costs(c: &CostCurve, base: usize) -> CostCurve {
     if base == 0 {
@@ -449,8 +508,7 @@ fn deliver(a: &mut Active, m: &Metrics) {
             match a.text.push(out[j]) {
                 Ok(p) => p.unwrap_or_default(),
                 Err(e) => {
-                    let _ = a.job.events.send(Event::Failed(e.to_string()));
-                    a.seq.stop();
+                    a.fail(e);
                     return;
                 }
             }

@@ -59,7 +59,7 @@ pub fn router(state: Arc<AppState>, body_limit: usize) -> Router {
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth));
     Router::new()
         .route("/", get(|| async { Html(PAGE) }))
-        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/health", get(health))
         .merge(api)
         .fallback(|| async { ApiError { status: 404, message: "no such endpoint".into(), kind: "invalid_request_error", param: None, code: Some("not_found") } })
         .layer(tower_http::limit::RequestBodyLimitLayer::new(body_limit))
@@ -74,6 +74,15 @@ async fn auth(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Respo
         }
     }
     next.run(req).await
+}
+
+/// 200 while the engine decodes; 503 once it has stopped (a load balancer then looks elsewhere).
+async fn health(State(s): State<Arc<AppState>>) -> Response {
+    if s.engine.is_running() {
+        Json(json!({"status": "ok"})).into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "engine stopped"}))).into_response()
+    }
 }
 
 async fn models(State(s): State<Arc<AppState>>) -> Json<Value> {
@@ -119,30 +128,40 @@ enum Kind {
 }
 
 async fn chat(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
-    let run = || -> Result<(Vec<u32>, Decoding), ApiError> {
+    let st = s.clone();
+    let parsed = blocking(move || {
         let req: ChatRequest = parse(&body)?;
-        let d = req.common.decoding(&s.model_name)?;
+        let d = req.common.decoding(&st.model_name)?;
         let messages = req.messages()?;
-        let ids = s.target.prompt_ids(&messages).map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
+        let ids = st.target.prompt_ids(&messages).map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
         Ok((ids, d))
-    };
-    match run() {
+    })
+    .await;
+    match parsed {
         Ok((ids, d)) => answer(&s, Kind::Chat, ids, d).await,
         Err(e) => e.into_response(),
     }
 }
 
 async fn completions(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
-    let run = || -> Result<(Vec<u32>, Decoding), ApiError> {
+    let st = s.clone();
+    let parsed = blocking(move || {
         let req: CompletionRequest = parse(&body)?;
-        let d = req.common.decoding(&s.model_name)?;
-        let ids = s.target.tokenizer.encode(&req.prompt()?, true).map_err(|e| ApiError::invalid(Some("prompt"), e.to_string()))?;
+        let d = req.common.decoding(&st.model_name)?;
+        let ids = st.target.tokenizer.encode(&req.prompt()?, true).map_err(|e| ApiError::invalid(Some("prompt"), e.to_string()))?;
         Ok((ids, d))
-    };
-    match run() {
+    })
+    .await;
+    match parsed {
         Ok((ids, d)) => answer(&s, Kind::Completion, ids, d).await,
         Err(e) => e.into_response(),
     }
+}
+
+/// Parsing, the chat template and tokenization run off the async workers: a 1 MiB prompt takes
+/// the tokenizer a while, and the runtime has one worker, which every stream shares.
+async fn blocking(f: impl FnOnce() -> Result<(Vec<u32>, Decoding), ApiError> + Send + 'static) -> Result<(Vec<u32>, Decoding), ApiError> {
+    tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| Err(ApiError { status: 500, message: format!("internal error while reading the request: {e}"), kind: "server_error", param: None, code: None }))
 }
 
 /// Queue the request and answer it, whole or streamed.
