@@ -432,34 +432,44 @@ fn step(model: &crate::model::Llama, active: &mut [Active], batch_costs: &mut Op
 
 /// Whether drafting pays at each number of decoding sequences, learned from this run's own
 /// steps: the tokens per second of steps that drafted and of steps that did not (moving
-/// averages), retrying the choice that is behind one step in 16 (one in 64 once it is behind by
-/// more than 15%), so a change of load is noticed.
+/// averages). The choice that is behind is retried one step in 16, so a change of load is
+/// noticed; each retry that leaves it behind doubles that period (to one in 1024), and a
+/// change of winner resets it. A retry costs its gap, so a loser confirmed again and again is
+/// retried less and less: with a fixed one in 16, the drafter server ran 2-5% behind plain at
+/// 4 and 8 concurrent requests, where drafting stops paying on a 2-core CPU.
 /// The batch cut prices a tree's rows but not the drafting and drafter bookkeeping each
 /// sequence does on its own; measuring whole steps does. Alone, a sequence always drafts, as
 /// `generate` does.
 pub struct DraftPolicy {
     on: Vec<Option<f64>>,
     off: Vec<Option<f64>>,
+    period: Vec<u64>,
 }
+
+const RETRY_FIRST: u64 = 16;
+const RETRY_LAST: u64 = 1024;
 
 impl DraftPolicy {
     pub fn new(max_batch: usize) -> Self {
-        DraftPolicy { on: vec![None; max_batch + 1], off: vec![None; max_batch + 1] }
+        DraftPolicy { on: vec![None; max_batch + 1], off: vec![None; max_batch + 1], period: vec![RETRY_FIRST; max_batch + 1] }
+    }
+
+    /// Whether drafting wins at this batch size (None until both have been measured).
+    fn winner(&self, decoding: usize) -> Option<bool> {
+        match (self.on[decoding], self.off[decoding]) {
+            (Some(on), Some(off)) => Some(on >= off),
+            _ => None,
+        }
     }
 
     pub fn choose(&self, decoding: usize, step_no: u64) -> bool {
         if decoding <= 1 || decoding >= self.on.len() {
             return true;
         }
-        match (self.on[decoding], self.off[decoding]) {
+        match (self.on[decoding], self.winner(decoding)) {
             (None, _) => true,
             (_, None) => false,
-            // Retry the slower choice often while the two are close, rarely once one is
-            // clearly ahead (each retry of a losing choice costs its gap).
-            (Some(on), Some(off)) => {
-                let period = if (on - off).abs() < 0.15 * on.max(off) { 16 } else { 64 };
-                (on >= off) != step_no.is_multiple_of(period)
-            }
+            (_, Some(w)) => w != step_no.is_multiple_of(self.period[decoding]),
         }
     }
 
@@ -467,8 +477,14 @@ impl DraftPolicy {
         if decoding >= self.on.len() || !tok_s.is_finite() {
             return;
         }
+        let before = self.winner(decoding);
         let slot = if drafted { &mut self.on[decoding] } else { &mut self.off[decoding] };
         *slot = Some(slot.map_or(tok_s, |v| 0.9 * v + 0.1 * tok_s));
+        match (before, self.winner(decoding)) {
+            (Some(b), Some(a)) if a != b => self.period[decoding] = RETRY_FIRST,
+            (Some(b), Some(_)) if b != drafted => self.period[decoding] = (self.period[decoding] * 2).min(RETRY_LAST),
+            _ => {}
+        }
     }
 }
 
@@ -636,14 +652,19 @@ mod tests {
         p.record(4, true, 500.0);
         assert!(!p.choose(4, 1), "then without");
         p.record(4, false, 700.0);
-        assert!(!p.choose(4, 1) && !p.choose(4, 16) && p.choose(4, 64), "the faster choice; the other, 29% behind, one step in 64");
-        p.record(4, true, 1300.0);
-        p.record(4, true, 1300.0);
-        assert!(!p.choose(4, 1) && p.choose(4, 16), "close (652 against 700): the other one step in 16");
+        assert!(!p.choose(4, 1) && p.choose(4, 16), "the faster choice; the other one step in 16");
+        p.record(4, true, 520.0);
+        assert!(!p.choose(4, 16) && p.choose(4, 32), "the retry lost again: one step in 32");
+        p.record(4, true, 520.0);
+        assert!(!p.choose(4, 32) && p.choose(4, 64), "and again: one in 64");
         for _ in 0..40 {
             p.record(4, true, 900.0);
         }
-        assert!(p.choose(4, 1), "the load changed: drafting is ahead again");
+        assert!(p.choose(4, 1) && !p.choose(4, 16), "the load changed: drafting is ahead again, the other retried one in 16");
+        for _ in 0..20 {
+            p.record(4, false, 500.0);
+        }
+        assert!(p.choose(4, 1) && p.choose(4, 512) && !p.choose(4, 1024), "a loser confirmed 20 times: retried one step in 1024 only");
         assert!(p.choose(1, 1) && p.choose(2, 1), "other batch sizes learn on their own");
     }
 
