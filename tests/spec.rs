@@ -338,16 +338,25 @@ fn a_sequence_that_skips_drafting_on_some_steps_catches_up_and_stays_exact() {
     let drafter = Drafter::from_dir(&dir, &t).unwrap();
     let prompts = selfspec::data::read_prompts(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/prompts/eval.jsonl")).unwrap();
     let params = SamplingParams::greedy();
-    let (mut hits_gappy, mut steps_gappy, mut hits_full, mut steps_full) = (0, 0, 0, 0);
+    // Gaps: none, one step in three drafting, and a long spell without drafting (more steps
+    // than the drafter catches up on) before drafting resumes.
+    let mut hits = [0usize; 3];
+    let mut steps = [0usize; 3];
     for item in prompts.iter().take(4) {
         let ids = t.encode_prompt(&item.turns[0], true).unwrap();
         let stop = StopRule { max_new_tokens: 80, eos_ids: &t.tokenizer.eos_ids };
         let (plain, _) = generate_plain(&t.model, &ids, &params, &stop, &mut rng(0), &mut |_| Ok(())).unwrap();
-        for gaps in [false, true] {
+        for gaps in 0..3 {
             let opts = SpecOptions { tree: TreeChoice::Static(Tree::chain(3)), lookup: None, datastore: None, rule: Rule::Greedy, params: params.clone(), stop };
             let mut seq = Sequence::new(&t.model, Some(&drafter), &ids, opts, rng(0)).unwrap();
             let mut step = 0;
-            while let Some(work) = seq.next_work(&t.model, usize::MAX, !gaps || step % 3 == 0).unwrap() {
+            let long_gap = selfspec::spec::session::LAG_KEEP + 8;
+            let draft_now = |step: usize| match gaps {
+                0 => true,
+                1 => step % 3 == 0,
+                _ => step == 0 || step > long_gap,
+            };
+            while let Some(work) = seq.next_work(&t.model, usize::MAX, draft_now(step)).unwrap() {
                 let drafted = work.tokens().len() > 1;
                 let last = work.tokens().len() >= seq.prompt_left();
                 let hidden = t.model.forward(work.tokens(), work.positions(), work.mask(), seq.cache_mut()).unwrap();
@@ -356,9 +365,8 @@ fn a_sequence_that_skips_drafting_on_some_steps_catches_up_and_stays_exact() {
                 let n = work.tokens().len();
                 let emitted = seq.finish_work(&t.model, work, hidden, logits, n, 1.0, &mut |_, _| Ok(())).unwrap();
                 if drafted {
-                    let (h, s) = if gaps { (&mut hits_gappy, &mut steps_gappy) } else { (&mut hits_full, &mut steps_full) };
-                    *h += emitted - 1;
-                    *s += 1;
+                    hits[gaps] += emitted - 1;
+                    steps[gaps] += 1;
                 }
                 step += 1;
             }
@@ -366,8 +374,9 @@ fn a_sequence_that_skips_drafting_on_some_steps_catches_up_and_stays_exact() {
             assert_eq!(out, plain, "{:?}, gaps {gaps}", item.turns[0]);
         }
     }
-    let (gappy, full) = (hits_gappy as f64 / steps_gappy as f64, hits_full as f64 / steps_full as f64);
+    let [full, gappy, long] = [0, 1, 2].map(|g| hits[g] as f64 / steps[g] as f64);
     assert!(gappy > 0.7 * full && gappy > 0.5, "accepted per drafting step: {gappy:.2} after gaps, {full:.2} without");
+    assert!(long > 0.7 * full && long > 0.5, "accepted per drafting step: {long:.2} after a long gap, {full:.2} without");
 }
 
 /// Gemma 3's sliding-window layers under speculation: sequences run well past the 128-position
