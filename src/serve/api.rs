@@ -23,6 +23,10 @@ impl ApiError {
     pub fn invalid(param: Option<&str>, message: impl Into<String>) -> Self {
         ApiError { status: 400, message: message.into(), kind: "invalid_request_error", param: param.map(str::to_string), code: None }
     }
+    /// A server-side failure (`status` 500 or 503), OpenAI's "server_error".
+    pub fn server(status: u16, message: impl Into<String>) -> Self {
+        ApiError { status, message: message.into(), kind: "server_error", param: None, code: None }
+    }
     pub fn body(&self) -> Value {
         serde_json::json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
     }

@@ -252,9 +252,7 @@ fn run(target: &Target, drafter: Option<&Drafter>, datastore: Option<&Datastore>
                 params: job.params.clone(),
                 stop: StopRule { max_new_tokens: job.max_tokens, eos_ids: &target.tokenizer.eos_ids },
             };
-            let started = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Sequence::new(model, drafter, &job.prompt, opts, rng(job.seed))))
-                .unwrap_or_else(|p| Err(Error::InvalidArgument(format!("internal error: {}", panic_message(&p)))));
-            match started {
+            match catching(|| Sequence::new(model, drafter, &job.prompt, opts, rng(job.seed))) {
                 Ok(seq) => {
                     let stop = StopMatch::new(job.stop.clone());
                     active.push(Active { seq, job, text: TextStream::new(&target.tokenizer), stop, sent_tokens: 0, answer_tokens: 0, flushed: false, failed: false });
@@ -273,9 +271,7 @@ fn run(target: &Target, drafter: Option<&Drafter>, datastore: Option<&Datastore>
         // A sequence's own error ends that sequence alone (inside `step`); an error or a panic
         // in what they share (the forward) leaves every cache in an unknown state: end all of
         // them, loudly, and go on serving.
-        let stepped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| step(model, &mut active, &mut batch_costs, &mut policy, cfg.always_draft, step_no, m)))
-            .unwrap_or_else(|p| Err(Error::InvalidArgument(format!("internal error: {}", panic_message(&p)))));
-        if let Err(e) = stepped {
+        if let Err(e) = catching(|| step(model, &mut active, &mut batch_costs, &mut policy, cfg.always_draft, step_no, m)) {
             for mut a in active.drain(..) {
                 m.requests_failed.fetch_add(1, Ordering::Relaxed);
                 a.fail(&e);
@@ -488,9 +484,13 @@ impl DraftPolicy {
     }
 }
 
-/// The text of a caught panic.
-fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
-    p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_else(|| "a panic".into())
+/// `f`, with a panic turned into an error naming it (the engine thread outlives a bug in one
+/// step).
+fn catching<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|p| {
+        let what = p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_else(|| "a panic".into());
+        Err(Error::InvalidArgument(format!("internal error: {what}")))
+    })
 }
 
 /// The curve as seen by rows that start after `base` rows already in the forward.

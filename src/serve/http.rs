@@ -161,7 +161,7 @@ async fn completions(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
 /// Parsing, the chat template and tokenization run off the async workers: a 1 MiB prompt takes
 /// the tokenizer a while, and the runtime has one worker, which every stream shares.
 async fn blocking(f: impl FnOnce() -> Result<(Vec<u32>, Decoding), ApiError> + Send + 'static) -> Result<(Vec<u32>, Decoding), ApiError> {
-    tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| Err(ApiError { status: 500, message: format!("internal error while reading the request: {e}"), kind: "server_error", param: None, code: None }))
+    tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| Err(ApiError::server(500, format!("internal error while reading the request: {e}"))))
 }
 
 /// Queue the request and answer it, whole or streamed.
@@ -183,7 +183,7 @@ async fn answer(s: &Arc<AppState>, kind: Kind, ids: Vec<u32>, d: Decoding) -> Re
             r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
             return r;
         }
-        Err(Refused::Stopped) => return ApiError { status: 503, message: "the server is shutting down".into(), kind: "server_error", param: None, code: None }.into_response(),
+        Err(Refused::Stopped) => return ApiError::server(503, "the server is shutting down").into_response(),
     }
     let id = format!("{}-{}", if kind == Kind::Chat { "chatcmpl" } else { "cmpl" }, s.next_id.fetch_add(1, Ordering::Relaxed));
     let meta = Meta { id, created: now(), model: s.model_name.clone(), kind };
@@ -225,7 +225,7 @@ async fn whole(meta: Meta, mut rx: UnboundedReceiver<Event>) -> Response {
     while let Some(ev) = rx.recv().await {
         match ev {
             Event::Text { text: t, .. } => text.push_str(&t),
-            Event::Failed(e) => return ApiError { status: 500, message: e, kind: "server_error", param: None, code: None }.into_response(),
+            Event::Failed(e) => return ApiError::server(500, e).into_response(),
             Event::Done(sum) => {
                 let choice = match meta.kind {
                     Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": sum.finish_reason, "logprobs": null}),
@@ -235,7 +235,7 @@ async fn whole(meta: Meta, mut rx: UnboundedReceiver<Event>) -> Response {
             }
         }
     }
-    ApiError { status: 500, message: "the engine stopped before the answer was complete".into(), kind: "server_error", param: None, code: None }.into_response()
+    ApiError::server(500, "the engine stopped before the answer was complete").into_response()
 }
 
 /// Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`. A task forwards the
@@ -269,7 +269,7 @@ fn stream(meta: Meta, mut rx: UnboundedReceiver<Event>, include_usage: bool) -> 
                     tx.send(Ok(chunk(json!({"content": text}), None, Some(json!({"tokens": marks})))))
                 }
                 Event::Failed(e) => {
-                    let _ = tx.send(Ok(SseEvent::default().data(ApiError { status: 500, message: e, kind: "server_error", param: None, code: None }.body().to_string())));
+                    let _ = tx.send(Ok(SseEvent::default().data(ApiError::server(500, e).body().to_string())));
                     break;
                 }
                 Event::Done(sum) => {
