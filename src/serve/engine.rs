@@ -417,7 +417,7 @@ fn step(model: &crate::model::Llama, active: &mut [Active], batch_costs: &mut Op
     }
     let secs = t0.elapsed().as_secs_f64();
     if prefilling == 0 {
-        policy.record(decoding, draft, decode_emitted as f64 / secs);
+        policy.record(decoding, draft, decode_emitted, secs);
     }
     m.busy_micros.fetch_add((secs * 1e6) as u64, Ordering::Relaxed);
     if emitted_total > 0 {
@@ -427,8 +427,10 @@ fn step(model: &crate::model::Llama, active: &mut [Active], batch_costs: &mut Op
 }
 
 /// Whether drafting pays at each number of decoding sequences, learned from this run's own
-/// steps: the tokens per second of steps that drafted and of steps that did not (moving
-/// averages). The choice that is behind is retried one step in 16, so a change of load is
+/// steps: the tokens per second of steps that drafted and of steps that did not, each a moving
+/// average of tokens over a moving average of seconds. (An average of each step's own tok/s
+/// would favour drafting: its steps vary more in length, and the mean of 1/t grows with t's
+/// spread.) The choice that is behind is retried one step in 16, so a change of load is
 /// noticed; each retry that leaves it behind doubles that period (to one in 1024), and a
 /// change of winner resets it. A retry costs its gap, so a loser confirmed again and again is
 /// retried less and less: with a fixed one in 16, the drafter server ran 2-5% behind plain at
@@ -437,8 +439,9 @@ fn step(model: &crate::model::Llama, active: &mut [Active], batch_costs: &mut Op
 /// sequence does on its own; measuring whole steps does. Alone, a sequence always drafts, as
 /// `generate` does.
 pub struct DraftPolicy {
-    on: Vec<Option<f64>>,
-    off: Vec<Option<f64>>,
+    /// (tokens, seconds) per step, moving averages.
+    on: Vec<Option<(f64, f64)>>,
+    off: Vec<Option<(f64, f64)>>,
     period: Vec<u64>,
 }
 
@@ -453,7 +456,7 @@ impl DraftPolicy {
     /// Whether drafting wins at this batch size (None until both have been measured).
     fn winner(&self, decoding: usize) -> Option<bool> {
         match (self.on[decoding], self.off[decoding]) {
-            (Some(on), Some(off)) => Some(on >= off),
+            (Some(on), Some(off)) => Some(on.0 * off.1 >= off.0 * on.1),
             _ => None,
         }
     }
@@ -469,13 +472,15 @@ impl DraftPolicy {
         }
     }
 
-    pub fn record(&mut self, decoding: usize, drafted: bool, tok_s: f64) {
-        if decoding >= self.on.len() || !tok_s.is_finite() {
+    /// One step at `decoding` sequences that emitted `tokens` in `secs`.
+    pub fn record(&mut self, decoding: usize, drafted: bool, tokens: usize, secs: f64) {
+        if decoding >= self.on.len() || !(secs.is_finite() && secs > 0.0) {
             return;
         }
         let before = self.winner(decoding);
         let slot = if drafted { &mut self.on[decoding] } else { &mut self.off[decoding] };
-        *slot = Some(slot.map_or(tok_s, |v| 0.9 * v + 0.1 * tok_s));
+        let t = tokens as f64;
+        *slot = Some(slot.map_or((t, secs), |(vt, vs)| (0.9 * vt + 0.1 * t, 0.9 * vs + 0.1 * secs)));
         match (before, self.winner(decoding)) {
             (Some(b), Some(a)) if a != b => self.period[decoding] = RETRY_FIRST,
             (Some(b), Some(_)) if b != drafted => self.period[decoding] = (self.period[decoding] * 2).min(RETRY_LAST),
@@ -649,23 +654,37 @@ mod tests {
     fn drafting_is_kept_where_it_measured_faster_and_the_loser_is_retried() {
         let mut p = DraftPolicy::new(8);
         assert!(p.choose(1, 1) && p.choose(4, 1), "alone always, and first tried with drafting");
-        p.record(4, true, 500.0);
+        p.record(4, true, 4, 4.0 / 500.0);
         assert!(!p.choose(4, 1), "then without");
-        p.record(4, false, 700.0);
+        p.record(4, false, 4, 4.0 / 700.0);
         assert!(!p.choose(4, 1) && p.choose(4, 16), "the faster choice; the other one step in 16");
-        p.record(4, true, 520.0);
+        p.record(4, true, 4, 4.0 / 520.0);
         assert!(!p.choose(4, 16) && p.choose(4, 32), "the retry lost again: one step in 32");
-        p.record(4, true, 520.0);
+        p.record(4, true, 4, 4.0 / 520.0);
         assert!(!p.choose(4, 32) && p.choose(4, 64), "and again: one in 64");
         for _ in 0..40 {
-            p.record(4, true, 900.0);
+            p.record(4, true, 4, 4.0 / 900.0);
         }
         assert!(p.choose(4, 1) && !p.choose(4, 16), "the load changed: drafting is ahead again, the other retried one in 16");
         for _ in 0..20 {
-            p.record(4, false, 500.0);
+            p.record(4, false, 4, 4.0 / 500.0);
         }
         assert!(p.choose(4, 1) && p.choose(4, 512) && !p.choose(4, 1024), "a loser confirmed 20 times: retried one step in 1024 only");
         assert!(p.choose(1, 1) && p.choose(2, 1), "other batch sizes learn on their own");
+    }
+
+    #[test]
+    fn drafting_steps_of_uneven_length_are_judged_by_total_tokens_over_total_time() {
+        // Drafting: 2 tokens in 1 ms, then 2 in 9 ms (400 tok/s over both); plain steps 2 in
+        // 1.9 ms (1053 tok/s). Averaging each step's own tok/s would give drafting 1111.
+        let mut p = DraftPolicy::new(8);
+        p.record(3, false, 2, 0.0019);
+        for _ in 0..50 {
+            p.record(3, true, 2, 0.001);
+            p.record(3, true, 2, 0.009);
+            p.record(3, false, 2, 0.0019);
+        }
+        assert_eq!(p.winner(3), Some(false));
     }
 
     #[test]
