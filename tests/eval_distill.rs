@@ -131,3 +131,32 @@ fn batched_distill_matches_one_prompt_at_a_time() {
     assert!(err.to_string().contains("prompt \"p3\"") && err.to_string().contains("context"), "{err}");
     assert_eq!(done, ["p0", "p1", "p2"]);
 }
+
+/// A base model (no chat template) is evaluated on its prompts as plain text, warm-up included.
+#[test]
+fn eval_takes_a_model_without_a_chat_template() {
+    use selfspec::model::fixtures;
+    let dir = scratch("eval-no-template");
+    let cfg = fixtures::tiny_config();
+    fixtures::write_hf(&dir, &cfg, &fixtures::random_weights(&cfg, 5).unwrap()).unwrap();
+    let tc = dir.join("tokenizer_config.json");
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&tc).unwrap()).unwrap();
+    v.as_object_mut().unwrap().remove("chat_template");
+    std::fs::write(&tc, v.to_string()).unwrap();
+    let t = selfspec::model::loader::Target::load(&dir, &candle_core::Device::Cpu).unwrap();
+    let cfg = selfspec::train::TrainConfig { num_heads: 1, epochs: 1, seq_len: 32, batch_tokens: 64, draft_vocab: 0, val_fraction: 0.0, ..Default::default() };
+    let docs = vec![selfspec::data::Document::plain("the cat sat on the mat ".repeat(8))];
+    let (heads, _) = selfspec::train::train(&t, &docs, &cfg, &scratch("eval-no-template-train"), false, None, &mut |_, _, _, _, _| {}, &mut |_| {}).unwrap();
+    let mut prog = |_: usize, _: usize| {};
+    let mut opts = EvalOptions {
+        trees: vec![("chain".into(), Plan { tree: TreeChoice::Static(Tree::chain(1)), lookup: None })],
+        params: SamplingParams::greedy(),
+        max_tokens: 6,
+        seed: 1,
+        datastore: None,
+        progress: &mut prog,
+    };
+    let r = evaluate(&t, &selfspec::draft::drafter::Drafter::Heads(heads), &prompts()[1..], &mut opts).unwrap();
+    assert_eq!(r.turns.len(), 1);
+    assert_eq!(r.overall[0].all_identical, Some(true));
+}

@@ -181,7 +181,7 @@ pub fn evaluate(target: &Target, drafter: &Drafter, prompts: &[PromptItem], opts
     let greedy = opts.params.is_greedy();
     // Warm-up: page in weights, spin up threads.
     if let Some(first) = prompts.first() {
-        let ids = target.encode_prompt(&first.turns[0], true)?;
+        let ids = target.prompt_ids(&[Message { role: "user".into(), content: first.turns[0].clone() }])?;
         let stop = StopRule { max_new_tokens: 8, eos_ids: &eos };
         generate_plain(&target.model, &ids, &opts.params, &stop, &mut rng(0), &mut |_| Ok(()))?;
     }
