@@ -14,6 +14,9 @@ use crate::{Error, Result};
 /// 2-core AVX-512 Xeon), and it keeps ranks and a step's work small. Every tree spec is checked
 /// against it before anything is built.
 pub const MAX_TREE_NODES: usize = 64;
+// Sliding-window layers clip only the cached prefix: a tree (its drafted and copied nodes
+// together, at most MAX_TREE_NODES deep) must fit inside the narrowest window a model may have.
+const _: () = assert!(MAX_TREE_NODES < crate::model::llama::MIN_SLIDING_WINDOW);
 
 /// The largest tree file read: 63 paths of at most 63 ranks fit in a few kilobytes.
 pub const MAX_TREE_FILE_BYTES: u64 = 1 << 16;
