@@ -53,8 +53,11 @@ pub struct TuneOutcome {
 
 /// Measure, choose, write the tree file at `out` (atomically) and check it.
 pub fn tune(target: &Target, drafter: &Drafter, items: &[PromptItem], out: &Path, opts: &mut TuneOptions) -> Result<TuneOutcome> {
-    if opts.max_nodes < 2 {
-        return Err(Error::InvalidArgument("--max-nodes must be at least 2".into()));
+    // The tuned tree is also checked with a copied branch of up to 6 tokens: together they must
+    // fit one step's MAX_TREE_NODES.
+    let most = crate::draft::tree::MAX_TREE_NODES - 6;
+    if !(2..=most).contains(&opts.max_nodes) {
+        return Err(Error::InvalidArgument(format!("--max-nodes must be from 2 to {most} (with a 6-token copied branch, one step verifies at most {} nodes)", crate::draft::tree::MAX_TREE_NODES)));
     }
     (opts.log)(format!("measuring {} accuracy on {} prompts...", drafter.kind(), items.len()));
     let acc = rank_accuracy(target, drafter, items, opts.max_tokens, 8)?;

@@ -153,6 +153,11 @@ impl Tokenizer {
                     Some(Ok(v)) => v.iter().map(|t| t.to_f32().unwrap_or(0.0) as f64).collect(),
                     _ => vec![0.0; tokens.len()],
                 };
+                // Every split of every piece is looked up (quadratic in a piece's length): bound
+                // it before that work. Real vocabularies stay far below (Gemma 3's longest: 48).
+                if let Some((i, t)) = tokens.iter().enumerate().find(|(_, t)| t.len() > MAX_SPM_PIECE_BYTES) {
+                    return Err(Error::bad_file(path, format!("vocabulary piece {i} is {} bytes long; a SentencePiece vocabulary's pieces may be at most {MAX_SPM_PIECE_BYTES}", t.len())));
+                }
                 let model = spm_merges_model(&tokens, &scores, &types, unk_id);
                 let prefix = get_bool("tokenizer.ggml.add_space_prefix").unwrap_or(true);
                 let mut norms = vec![];
@@ -199,6 +204,9 @@ impl Tokenizer {
 /// outside the vocabulary. Every split of a piece into two pieces becomes a merge, ranked by
 /// the piece's score. A Unigram (Viterbi) model over the same scores splits differently: with
 /// Gemma 3's, "The capital of France is" came out as ten pieces where llama.cpp has five.
+/// The longest SentencePiece piece accepted from a GGUF (see [`spm_merges_model`]'s cost).
+pub const MAX_SPM_PIECE_BYTES: usize = 1024;
+
 fn spm_merges_model(tokens: &[String], scores: &[f64], types: &[i32], unk_id: Option<u32>) -> Json {
     // Normal (1) and unused (5) pieces take part in merges; control, user-defined and byte
     // tokens are matched otherwise.
@@ -323,6 +331,13 @@ mod tests {
         let ids = t.encode("the \u{e9}", false).unwrap();
         assert_eq!(t.decode(&ids).unwrap(), "the \u{e9}");
         assert!(t.is_eos(2));
+        // A piece past the bound is refused, naming the file, before the quadratic work.
+        let mut long = md.clone();
+        let mut toks = tokens.clone();
+        toks.push("x".repeat(MAX_SPM_PIECE_BYTES + 1));
+        long.insert("tokenizer.ggml.tokens".into(), V::Array(toks.iter().map(|t| V::String(t.clone())).collect()));
+        let e = Tokenizer::from_gguf(std::path::Path::new("spm.gguf"), &long).err().expect("refused").to_string();
+        assert!(e.contains("spm.gguf") && e.contains("1025 bytes"), "{e}");
     }
 
     #[test]

@@ -675,13 +675,14 @@ mod tests {
 
     #[test]
     fn drafting_steps_of_uneven_length_are_judged_by_total_tokens_over_total_time() {
-        // Drafting: 2 tokens in 1 ms, then 2 in 9 ms (400 tok/s over both); plain steps 2 in
-        // 1.9 ms (1053 tok/s). Averaging each step's own tok/s would give drafting 1111.
+        // Drafting: 2 tokens in 0.5 ms, then 2 in 9.5 ms (400 tok/s over both); plain steps 2
+        // in 1.9 ms (1053 tok/s). A moving average of each step's own tok/s (4000 and 211
+        // alternating) sits near 2000 to 2200, so it would have kept drafting.
         let mut p = DraftPolicy::new(8);
         p.record(3, false, 2, 0.0019);
         for _ in 0..50 {
-            p.record(3, true, 2, 0.001);
-            p.record(3, true, 2, 0.009);
+            p.record(3, true, 2, 0.0005);
+            p.record(3, true, 2, 0.0095);
             p.record(3, false, 2, 0.0019);
         }
         assert_eq!(p.winner(3), Some(false));

@@ -19,7 +19,7 @@ use crate::draft::budget::{Budget, Calibration, CostCurve, Draft, LiveCosts, AFF
 use crate::draft::choice::TreeChoice;
 use crate::draft::drafter::{DraftState, Drafter};
 use crate::draft::lookup::Lookup;
-use crate::draft::tree::Tree;
+use crate::draft::tree::{Tree, MAX_TREE_NODES};
 use crate::model::kv_cache::KvCache;
 use crate::model::Llama;
 use crate::spec::verify::{verify, Rule};
@@ -321,7 +321,7 @@ impl<'d> Sequence<'d> {
                 let (branch, stored) = match &self.opts.lookup {
                     Some(l) => {
                         let (copied, stored) = l.copy(&self.history, self.opts.datastore);
-                        (Lookup::graft(&mut tree, &mut tokens, &copied, self.max_pos - committed), stored)
+                        (Lookup::graft(&mut tree, &mut tokens, &copied, (self.max_pos - committed).min(MAX_TREE_NODES)), stored)
                     }
                     None => (Vec::new(), false),
                 };
