@@ -46,7 +46,7 @@ impl Lookup {
                 .strip_prefix(':')
                 .and_then(|n| n.parse::<usize>().ok())
                 .filter(|&n| (1..=MAX_LOOKUP).contains(&n))
-                .ok_or_else(|| Error::InvalidTree(format!("'{spec}': expected +lookup or +lookup:N with 1 <= N <= {MAX_LOOKUP}")))?,
+                .ok_or_else(|| Error::InvalidTree(format!("'{spec}': expected +lookup or +lookup:N with 1 <= N <= {MAX_LOOKUP} (one step verifies at most {MAX_TREE_NODES} nodes, the root included)")))?,
             None => return Err(Error::InvalidTree(format!("'{spec}': unknown addition '+{extra}' (only +lookup[:N])"))),
         };
         if tree.is_empty() {
