@@ -204,7 +204,7 @@ impl Tokenizer {
 /// outside the vocabulary. Every split of a piece into two pieces becomes a merge, ranked by
 /// the piece's score. A Unigram (Viterbi) model over the same scores splits differently: with
 /// Gemma 3's, "The capital of France is" came out as ten pieces where llama.cpp has five.
-/// The longest SentencePiece piece accepted from a GGUF (see [`spm_merges_model`]'s cost).
+/// The longest SentencePiece piece accepted from a GGUF (building the merges looks up every split of every piece).
 pub const MAX_SPM_PIECE_BYTES: usize = 1024;
 
 fn spm_merges_model(tokens: &[String], scores: &[f64], types: &[i32], unk_id: Option<u32>) -> Json {
