@@ -83,6 +83,7 @@ fn every_subcommand_refuses_bad_input_cleanly() {
         (args(&["eval", "--model", &m, "--drafter", &d, "--prompts", &prompts, "--temperature", "nan"]), &["temperature"]),
         (args(&["tune", "--model", &m, "--drafter", &d, "--prompts", &prompts, "--out", &under_file("t.json")]), &["cannot be written"]),
         (args(&["tune", "--model", &m, "--drafter", &d, "--prompts", &prompts, "--out", &s(&dir.join("t.json")), "--max-nodes", "1"]), &["--max-nodes"]),
+        (args(&["tune", "--model", &m, "--drafter", &d, "--prompts", &prompts, "--out", &s(&dir.join("t.json")), "--max-nodes", "59"]), &["--max-nodes", "58"]),
         (args(&["train", "--model", &m, "--data", &empty, "--out", &s(&dir.join("o1"))]), &["empty corpus"]),
         (args(&["train", "--model", &m, "--data", &latin1, "--out", &s(&dir.join("o2"))]), &["latin1.txt", "UTF-8"]),
         (args(&["train", "--model", &m, "--data", &prompts, "--out", &under_file("o3")]), &["cannot be written"]),
