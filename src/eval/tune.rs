@@ -51,13 +51,18 @@ pub struct TuneOutcome {
     pub default_faster: bool,
 }
 
+/// The copied branches the tuned tree is checked with, besides none: short and long ones (extra
+/// nodes cost more with fast weights).
+const CHECK_LOOKUPS: [Option<usize>; 3] = [None, Some(3), Some(6)];
+
 /// Measure, choose, write the tree file at `out` (atomically) and check it.
 pub fn tune(target: &Target, drafter: &Drafter, items: &[PromptItem], out: &Path, opts: &mut TuneOptions) -> Result<TuneOutcome> {
-    // The tuned tree is also checked with a copied branch of up to 6 tokens: together they must
-    // fit one step's MAX_TREE_NODES.
-    let most = crate::draft::tree::MAX_TREE_NODES - 6;
+    // The tuned tree is also checked with copied branches (CHECK_LOOKUPS): tree and branch
+    // together must fit one step's MAX_TREE_NODES.
+    let longest = CHECK_LOOKUPS.iter().flatten().max().copied().unwrap_or(0);
+    let most = crate::draft::tree::MAX_TREE_NODES - longest;
     if !(2..=most).contains(&opts.max_nodes) {
-        return Err(Error::InvalidArgument(format!("--max-nodes must be from 2 to {most} (with a 6-token copied branch, one step verifies at most {} nodes)", crate::draft::tree::MAX_TREE_NODES)));
+        return Err(Error::InvalidArgument(format!("--max-nodes must be from 2 to {most} (with a {longest}-token copied branch, one step verifies at most {} nodes)", crate::draft::tree::MAX_TREE_NODES)));
     }
     (opts.log)(format!("measuring {} accuracy on {} prompts...", drafter.kind(), items.len()));
     let acc = rank_accuracy(target, drafter, items, opts.max_tokens, 8)?;
@@ -86,9 +91,7 @@ pub fn tune(target: &Target, drafter: &Drafter, items: &[PromptItem], out: &Path
     // extra nodes cost here, so it is measured, with and without, in the same run.
     let check: Vec<_> = items.iter().take(opts.check_prompts.max(1)).cloned().collect();
     (opts.log)(format!("wrote {} ({} nodes); checking it with and without +lookup on {} prompts...", out.display(), best.len(), check.len()));
-    // Short and long copied branches: extra nodes cost more with fast weights.
-    let lookups = [None, Some(3), Some(6)];
-    let mut plans: Vec<(String, Plan)> = lookups
+    let mut plans: Vec<(String, Plan)> = CHECK_LOOKUPS
         .iter()
         .map(|n| {
             let lookup = n.map(|max_tokens| Lookup { max_tokens, ..Default::default() });
@@ -101,9 +104,9 @@ pub fn tune(target: &Target, drafter: &Drafter, items: &[PromptItem], out: &Path
     plans.push((DEFAULT_TREE.to_string(), Plan::parse(DEFAULT_TREE)?));
     let mut eval_opts = EvalOptions { trees: plans, params: SamplingParams::greedy(), max_tokens: opts.max_tokens, seed: 1, datastore: opts.datastore, progress: &mut |_, _| {} };
     let report = evaluate(target, drafter, &check, &mut eval_opts)?;
-    let fastest = (0..lookups.len()).max_by(|&a, &b| report.overall[a].speedup.total_cmp(&report.overall[b].speedup)).unwrap_or(0);
-    let default_faster = report.overall.get(lookups.len()).is_some_and(|auto| auto.speedup > report.overall[fastest].speedup);
-    if let Some(n) = lookups[fastest] {
+    let fastest = (0..CHECK_LOOKUPS.len()).max_by(|&a, &b| report.overall[a].speedup.total_cmp(&report.overall[b].speedup)).unwrap_or(0);
+    let default_faster = report.overall.get(CHECK_LOOKUPS.len()).is_some_and(|auto| auto.speedup > report.overall[fastest].speedup);
+    if let Some(n) = CHECK_LOOKUPS[fastest] {
         doc["lookup"] = serde_json::json!(n);
         write(&doc)?;
     }
@@ -112,7 +115,7 @@ pub fn tune(target: &Target, drafter: &Drafter, items: &[PromptItem], out: &Path
         points,
         chosen_nodes: best.len(),
         measured: report.trees.iter().cloned().zip(report.overall.iter().cloned()).collect(),
-        lookup: lookups[fastest],
+        lookup: CHECK_LOOKUPS[fastest],
         default_faster,
     })
 }

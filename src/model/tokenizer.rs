@@ -197,6 +197,9 @@ impl Tokenizer {
     }
 }
 
+/// The longest SentencePiece piece accepted from a GGUF (building the merges looks up every split of every piece).
+pub const MAX_SPM_PIECE_BYTES: usize = 1024;
+
 /// A GGUF "llama" (SentencePiece) vocabulary as the BPE model that tokenizes as llama.cpp does:
 /// starting from characters, repeatedly merge the adjacent pair whose concatenation is a
 /// vocabulary piece with the highest score (the scores of these files rank the pieces: Llama 2's
@@ -204,9 +207,6 @@ impl Tokenizer {
 /// outside the vocabulary. Every split of a piece into two pieces becomes a merge, ranked by
 /// the piece's score. A Unigram (Viterbi) model over the same scores splits differently: with
 /// Gemma 3's, "The capital of France is" came out as ten pieces where llama.cpp has five.
-/// The longest SentencePiece piece accepted from a GGUF (building the merges looks up every split of every piece).
-pub const MAX_SPM_PIECE_BYTES: usize = 1024;
-
 fn spm_merges_model(tokens: &[String], scores: &[f64], types: &[i32], unk_id: Option<u32>) -> Json {
     // Normal (1) and unused (5) pieces take part in merges; control, user-defined and byte
     // tokens are matched otherwise.
