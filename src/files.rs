@@ -115,6 +115,21 @@ pub fn save_safetensors(tensors: &std::collections::HashMap<String, candle_core:
     write_atomic(path, &bytes)
 }
 
+/// [`save_safetensors`] with boolean tensors beside the others (candle has no boolean type;
+/// EAGLE-3 checkpoints carry one, `t2d`).
+pub fn save_safetensors_with_bools(tensors: &std::collections::HashMap<String, candle_core::Tensor>, bools: &[(&str, &[bool])], path: &std::path::Path) -> Result<()> {
+    let mut views: Vec<(String, HostTensor)> = Vec::new();
+    for (n, t) in tensors {
+        views.push((n.clone(), HostTensor::of(t)?));
+    }
+    for (n, b) in bools {
+        views.push((n.to_string(), HostTensor { dtype: safetensors::Dtype::BOOL, shape: vec![b.len()], data: b.iter().map(|&x| x as u8).collect() }));
+    }
+    views.sort_by(|a, b| a.0.cmp(&b.0));
+    let bytes = safetensors::serialize(views, None).map_err(|e| Error::bad_file(path, format!("cannot serialise tensors: {e}")))?;
+    write_atomic(path, &bytes)
+}
+
 /// A tensor's bytes on the host in safetensors' little-endian layout (candle implements the
 /// `View` trait only for its own, older safetensors version).
 struct HostTensor {

@@ -124,11 +124,13 @@ impl DrafterArgs {
         }
     }
 
-    /// Load the drafter, if one was named.
-    pub fn load(&self, target: &Target) -> Result<Option<Drafter>> {
+    /// Load the drafter, if one was named, and attach it to `target` (an EAGLE-3 layer makes
+    /// the target's forwards return the layers it reads).
+    pub fn load(&self, target: &mut Target) -> Result<Option<Drafter>> {
         Ok(match &self.drafter {
             Some(dir) => {
                 let (mut d, note) = Drafter::from_dir_noted(dir, target, self.draft_weights)?;
+                d.attach(target)?;
                 if let Some(n) = note {
                     eprintln!("note: {n}");
                 }

@@ -48,11 +48,11 @@ pub fn run(a: EvalArgs) -> Result<()> {
     if let Some(n) = a.limit {
         items.truncate(n.max(1));
     }
-    let target = a.model.load()?;
+    let mut target = a.model.load()?;
     if let Some(n) = target.plain_prompts_note() {
         eprintln!("{n}");
     }
-    let drafter = a.drafter.load(&target)?.expect("--drafter checked above");
+    let drafter = a.drafter.load(&mut target)?.expect("--drafter checked above");
     for (_, p) in &trees {
         drafter.validate_tree(&p.tree)?;
     }

@@ -49,9 +49,9 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     }
     let plan = Plan::parse(&a.tree)?;
     let t0 = std::time::Instant::now();
-    let target = a.model.load()?;
+    let mut target = a.model.load()?;
     eprintln!("loaded {} ({} weights) in {:.2} s", target.path.display(), target.model.weight_format(), t0.elapsed().as_secs_f64());
-    let drafter = a.drafter.load(&target)?;
+    let drafter = a.drafter.load(&mut target)?;
     let ids = target.encode_prompt(&a.prompt, a.chat)?;
     let stop = StopRule { max_new_tokens: a.max_tokens, eos_ids: &target.tokenizer.eos_ids };
     let mut stream = TextStream::new(&target.tokenizer);

@@ -80,6 +80,15 @@ pub struct TrainArgs {
     /// Draft layer: weight of the feature-regression loss next to the token loss (EAGLE uses 1).
     #[arg(long, default_value_t = 0.0)]
     feature_weight: f64,
+    /// Draft layer in EAGLE-3's layout: it reads a low, a middle and a high layer of the target
+    /// and has its own lm_head; `export --format eagle3` then writes it for vLLM, SGLang and
+    /// llama.cpp.
+    #[arg(long, requires = "draft_layer")]
+    eagle3: bool,
+    /// EAGLE-3: the target layers whose inputs it reads, e.g. 2,15,27 (default: 2, n/2, n-3 of
+    /// the target's n layers, as vLLM and llama.cpp assume).
+    #[arg(long, value_delimiter = ',', requires = "eagle3")]
+    feature_layers: Vec<usize>,
     /// Train nothing: print the held-out accuracy of the drafter in --init on the chunks this
     /// run's data, --seq-len, --seed, --val-fraction and --num-heads/--unroll hold out (hidden
     /// states of those chunks only), to compare drafters on one validation set.
@@ -115,6 +124,8 @@ impl TrainArgs {
             draft_layer: self.draft_layer,
             unroll: self.unroll,
             feature_weight: self.feature_weight,
+            eagle3: self.eagle3,
+            feature_layers: self.feature_layers.clone(),
             init: self.init.clone(),
         }
     }
@@ -126,12 +137,12 @@ pub fn run(a: TrainArgs) -> Result<()> {
     if !a.validate_only {
         selfspec::files::check_writable_dir(&a.out)?;
     }
-    let target = a.model.load()?;
+    let mut target = a.model.load()?;
     let docs = selfspec::data::read_corpus(&a.data, &|m| target.render_conversation(m))?;
     let kind = if cfg.draft_layer { "a draft layer".to_string() } else { format!("{} heads", cfg.num_heads) };
     if a.validate_only {
         let t0 = std::time::Instant::now();
-        let v = validate_drafter(&target, &docs, &cfg, a.cache_hidden.as_deref(), &mut |s| eprintln!("{s}"))?;
+        let v = validate_drafter(&mut target, &docs, &cfg, a.cache_hidden.as_deref(), &mut |s| eprintln!("{s}"))?;
         let init = a.init.as_ref().map(|p| p.display().to_string()).unwrap_or_default();
         let per = if cfg.draft_layer { "level" } else { "head" };
         println!(
@@ -153,7 +164,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let quiet = !std::io::stderr().is_terminal();
     let mut log = |s: String| if quiet { eprintln!("{s}") } else { bar.println(s) };
     let run = TrainRun { data: &a.data, out: &a.out, resume: a.resume, cache_hidden: a.cache_hidden.as_deref(), command: std::env::args().collect::<Vec<_>>().join(" ") };
-    let (_, report, _) = train_drafter(&target, &docs, &cfg, &run, &mut prog, &mut log)?;
+    let (_, report, _) = train_drafter(&mut target, &docs, &cfg, &run, &mut prog, &mut log)?;
     bar.finish_and_clear();
     if cfg.max_steps > 0 && report.steps == cfg.max_steps {
         eprintln!("stopped at step {} (--max-steps); continue with --resume", report.steps);

@@ -33,11 +33,11 @@ pub fn run(a: TuneArgs) -> Result<()> {
     a.drafter.dir("tune")?;
     selfspec::files::check_writable(&a.out)?;
     let items = selfspec::data::read_prompts(&a.prompts)?;
-    let target = a.model.load()?;
+    let mut target = a.model.load()?;
     if let Some(n) = target.plain_prompts_note() {
         eprintln!("{n}");
     }
-    let drafter = a.drafter.load(&target)?.expect("--drafter checked above");
+    let drafter = a.drafter.load(&mut target)?.expect("--drafter checked above");
     let ds = a.drafter.datastore(&target)?;
     let mut opts = TuneOptions { max_nodes: a.max_nodes, max_tokens: a.max_tokens, check_prompts: a.check_prompts, datastore: ds.as_ref(), log: &mut |s| eprintln!("{s}") };
     let t = tune(&target, &drafter, &items, &a.out, &mut opts)?;

@@ -57,6 +57,8 @@ impl Drafter {
     pub fn from_dir_noted(dir: &Path, target: &Target, format: WeightFormat) -> Result<(Self, Option<String>)> {
         let mut d = if dir.join(LAYER_CONFIG_FILE).exists() {
             Drafter::Layer(DraftLayer::from_dir(dir, target)?)
+        } else if crate::draft::eagle3::is_eagle3_dir(dir) {
+            Drafter::Layer(crate::draft::eagle3::import(dir, target)?)
         } else {
             Drafter::Heads(Heads::from_dir(dir, target)?)
         };
@@ -65,6 +67,22 @@ impl Drafter {
             format!("{}: this {}'s matrices are not whole blocks of 32 values, so it drafts in {used} instead of {format} (drafts need not be exact; verification is)", dir.display(), d.kind())
         });
         Ok((d, note))
+    }
+
+    /// The target layers whose inputs it reads beside the final states (an EAGLE-3 layer's;
+    /// none for the others).
+    pub fn feature_layers(&self) -> &[usize] {
+        match self {
+            Drafter::Layer(l) => l.feature_layers(),
+            Drafter::Heads(_) => &[],
+        }
+    }
+
+    /// Make `target`'s forwards return what this drafter reads (see
+    /// [`Llama::set_feature_layers`]); an EAGLE-3 layer given the final states alone refuses
+    /// to draft rather than draft from the wrong features.
+    pub fn attach(&self, target: &mut Target) -> Result<()> {
+        target.model.set_feature_layers(self.feature_layers())
     }
 
     /// Keep only the packed copies it drafts with (see [`DraftLayer::release_f32_weights`]); for
@@ -128,6 +146,7 @@ impl Drafter {
         match self {
             Drafter::Heads(h) => Ok(DraftState::Heads { heads: h, h_last: hidden.narrow(0, n - 1, 1)? }),
             Drafter::Layer(l) => {
+                l.check_target_states(hidden)?;
                 let mut cache = l.new_cache()?;
                 let mut next: Vec<u32> = prompt[1..].to_vec();
                 next.push(first);
@@ -220,6 +239,7 @@ impl DraftState<'_> {
                 if emitted.len() != accepted.len() {
                     return Err(Error::InvalidArgument(format!("{} tokens emitted after {} accepted nodes", emitted.len(), accepted.len())));
                 }
+                layer.check_target_states(hidden)?;
                 let idx: Vec<u32> = accepted.iter().map(|&a| a as u32).collect();
                 let feats = hidden.index_select(&Tensor::new(idx.as_slice(), hidden.device())?, 0)?;
                 let c = cache.len();
@@ -461,6 +481,7 @@ impl Drafter {
                 }
             }
             Drafter::Layer(layer) => {
+                layer.check_target_states(hidden)?;
                 let mut cache = layer.new_cache()?;
                 if from > 0 {
                     let n = from;

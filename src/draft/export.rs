@@ -17,6 +17,9 @@ pub enum ExportFormat {
     F32,
     /// 8-bit blocks, a quarter of f32 (draft layers only).
     Q8,
+    /// An EAGLE-3 layer as SpecForge and vLLM write it and llama.cpp converts it
+    /// ([`crate::draft::eagle3`]).
+    Eagle3,
 }
 
 impl FromStr for ExportFormat {
@@ -27,7 +30,8 @@ impl FromStr for ExportFormat {
             "f16" => ExportFormat::F16,
             "f32" => ExportFormat::F32,
             "q8" => ExportFormat::Q8,
-            _ => return Err(Error::InvalidArgument(format!("unknown export format '{s}' (medusa, f16, f32, q8)"))),
+            "eagle3" => ExportFormat::Eagle3,
+            _ => return Err(Error::InvalidArgument(format!("unknown export format '{s}' (medusa, eagle3, f16, f32, q8)"))),
         })
     }
 }
@@ -37,6 +41,8 @@ impl FromStr for ExportFormat {
 pub fn export(drafter: &Drafter, from: &Path, target: &Target, out: &Path, format: ExportFormat) -> Result<String> {
     match (drafter, format) {
         (Drafter::Heads(h), ExportFormat::Medusa) => h.export_medusa(out, target)?,
+        (Drafter::Heads(_), ExportFormat::Eagle3) => return Err(Error::bad_file(from, "Medusa heads have no EAGLE-3 form (train --draft-layer --eagle3)")),
+        (Drafter::Layer(l), ExportFormat::Eagle3) => crate::draft::eagle3::export(l, target, out).map_err(|e| Error::bad_file(from, e.to_string()))?,
         (Drafter::Heads(_), ExportFormat::Q8) => return Err(Error::bad_file(from, "q8 storage is for draft layers; store heads as f16 or f32")),
         (Drafter::Heads(h), f) => h.save_as(out, f == ExportFormat::F16)?,
         (Drafter::Layer(_), ExportFormat::Medusa) => {

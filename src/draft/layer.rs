@@ -83,10 +83,47 @@ fn dequantize_stored(mut ts: HashMap<String, Tensor>) -> std::result::Result<Has
     Ok(ts)
 }
 
+/// Which draft layer: what it reads from the target and what it feeds itself.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum DraftArch {
+    /// EAGLE(-2): `fc` (with bias) mixes the target's final feature with the next token's
+    /// embedding; the layer predicts the next final feature, scored by the target's own
+    /// lm_head rows, and feeds that prediction to the next level.
+    #[default]
+    Eagle,
+    /// EAGLE-3: `fc` (no bias) fuses the inputs of the target's `layers` (a low, a middle and a
+    /// high one, as vLLM, SGLang and llama.cpp read them); the attention reads the normed token
+    /// embedding beside the normed fused feature; the layer's own lm_head scores its output
+    /// after the final norm, and the output before that norm feeds the next level. The layout
+    /// SpecForge and vLLM train and llama.cpp runs (`--spec-type draft-eagle3`), so a drafter
+    /// moves between them ([`crate::draft::eagle3`]).
+    Eagle3 { layers: Vec<usize> },
+}
+
+impl DraftArch {
+    /// The target layers whose inputs the drafter reads (none: the final states).
+    pub fn feature_layers(&self) -> &[usize] {
+        match self {
+            DraftArch::Eagle => &[],
+            DraftArch::Eagle3 { layers } => layers,
+        }
+    }
+}
+
+/// EAGLE-3's default feature layers for a target of `n` layers: what vLLM and llama.cpp take
+/// when a checkpoint names none (inputs of layers 2, n/2 and n-3).
+pub fn eagle3_default_layers(n: usize) -> Vec<usize> {
+    vec![2.min(n - 1), n / 2, n.saturating_sub(3)]
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DraftLayerConfig {
     /// The layer as a one-layer Llama whose vocabulary is the draft vocabulary.
     pub layer: Config,
+    /// EAGLE or EAGLE-3 (drafters written before EAGLE-3 have no field: EAGLE).
+    #[serde(default)]
+    pub arch: DraftArch,
     /// Which target it was trained for.
     pub target: Fingerprint,
     /// How it was made (command line, data, accuracy): free-form, for the record.
@@ -113,29 +150,68 @@ impl DraftLayerConfig {
         layer.local_layers = Vec::new();
         layer.local_rope_theta = None;
         layer.norm_offset = 0.0;
-        Ok(DraftLayerConfig { layer, target: target.fingerprint()?, recipe: serde_json::Value::Null })
+        layer.eagle3_input = false;
+        Ok(DraftLayerConfig { layer, arch: DraftArch::Eagle, target: target.fingerprint()?, recipe: serde_json::Value::Null })
+    }
+
+    /// An EAGLE-3 layer for `target` reading the inputs of its `layers` (three, in the model).
+    pub fn for_target_eagle3(target: &Target, draft_vocab: usize, layers: &[usize]) -> Result<Self> {
+        let n = target.model.config().num_layers;
+        // Three, as llama.cpp requires; repeats are allowed (a shallow model has few layers).
+        if layers.len() != 3 || layers.iter().any(|&l| l >= n) {
+            return Err(Error::InvalidArgument(format!("EAGLE-3 reads three of the target's layers 0..{n}; got {layers:?}")));
+        }
+        let mut cfg = Self::for_target(target, draft_vocab)?;
+        cfg.layer.eagle3_input = true;
+        cfg.arch = DraftArch::Eagle3 { layers: layers.to_vec() };
+        Ok(cfg)
+    }
+
+    /// The config in drafter directory `dir`, if it holds a draft layer.
+    pub fn read(dir: &Path) -> Result<Option<Self>> {
+        let path = dir.join(LAYER_CONFIG_FILE);
+        if !path.exists() {
+            return Ok(None);
+        }
+        let s = crate::files::read_config(&path)?;
+        serde_json::from_str(&s).map(Some).map_err(|e| Error::bad_file(&path, format!("invalid draft layer config: {e}")))
+    }
+
+    /// Widths of the features the drafter reads from the target (fc's input).
+    pub fn feature_width(&self) -> usize {
+        self.layer.hidden_size * self.arch.feature_layers().len().max(1)
     }
 }
 
-/// Names of the trained tensors (Hugging Face layout for the decoder layer).
-pub fn tensor_names(cfg: &Config) -> Vec<(String, Vec<usize>)> {
-    let (d, i) = (cfg.hidden_size, cfg.intermediate_size);
-    let (q, kv) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
+/// Names of the trained tensors (Hugging Face layout for the decoder layer). EAGLE-3 adds the
+/// feature half's norm and its own lm_head, and its `fc` has no bias.
+pub fn tensor_names(cfg: &DraftLayerConfig) -> Vec<(String, Vec<usize>)> {
+    let c = &cfg.layer;
+    let (d, i) = (c.hidden_size, c.intermediate_size);
+    let (q, kv) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
     let l = "model.layers.0.";
-    vec![
-        ("fc.weight".into(), vec![d, 2 * d]),
-        ("fc.bias".into(), vec![d]),
+    let eagle3 = matches!(cfg.arch, DraftArch::Eagle3 { .. });
+    let a = if eagle3 { 2 * d } else { d };
+    let mut names = vec![
+        ("fc.weight".into(), vec![d, if eagle3 { cfg.feature_width() } else { 2 * d }]),
         (format!("{l}input_layernorm.weight"), vec![d]),
-        (format!("{l}self_attn.q_proj.weight"), vec![q, d]),
-        (format!("{l}self_attn.k_proj.weight"), vec![kv, d]),
-        (format!("{l}self_attn.v_proj.weight"), vec![kv, d]),
+        (format!("{l}self_attn.q_proj.weight"), vec![q, a]),
+        (format!("{l}self_attn.k_proj.weight"), vec![kv, a]),
+        (format!("{l}self_attn.v_proj.weight"), vec![kv, a]),
         (format!("{l}self_attn.o_proj.weight"), vec![d, q]),
         (format!("{l}post_attention_layernorm.weight"), vec![d]),
         (format!("{l}mlp.gate_proj.weight"), vec![i, d]),
         (format!("{l}mlp.up_proj.weight"), vec![i, d]),
         (format!("{l}mlp.down_proj.weight"), vec![d, i]),
         ("model.norm.weight".into(), vec![d]),
-    ]
+    ];
+    if eagle3 {
+        names.push((format!("{l}hidden_norm.weight"), vec![d]));
+        names.push(("lm_head.weight".into(), vec![c.vocab_size, d]));
+    } else {
+        names.push(("fc.bias".into(), vec![d]));
+    }
+    names
 }
 
 /// The inference copy: fast CPU kernels, a KV cache per generation.
@@ -168,7 +244,7 @@ impl DraftLayer {
         if let Some(&bad) = ids.iter().find(|&&i| i as usize >= tcfg.vocab_size) {
             return Err(Error::InvalidArgument(format!("draft vocabulary holds token {bad}, beyond the target's {}", tcfg.vocab_size)));
         }
-        for (name, shape) in tensor_names(&cfg.layer) {
+        for (name, shape) in tensor_names(&cfg) {
             match tensors.get(&name) {
                 Some(t) if t.dims() == shape.as_slice() => {}
                 Some(t) => return Err(Error::InvalidArgument(format!("{name} has shape {:?}, expected {shape:?}", t.dims()))),
@@ -180,13 +256,17 @@ impl DraftLayer {
         for (k, v) in &tensors {
             map.insert(k.clone(), v.to_dtype(DType::F32)?.to_device(&device)?);
         }
-        // The layer's "embedding" and lm_head: the target's lm_head rows of the draft vocabulary
-        // (the embedding is never read: inputs come through `fc`).
-        let lm = target.lm_head_rows(&ids)?.to_device(&device)?.contiguous()?;
+        // The layer's "embedding" and lm_head (tied; the embedding is never read: inputs come
+        // through `fc`): EAGLE's are the target's lm_head rows of the draft vocabulary,
+        // EAGLE-3's its own.
+        let lm = match map.get("lm_head.weight") {
+            Some(w) => w.clone(),
+            None => target.lm_head_rows(&ids)?.to_device(&device)?.contiguous()?,
+        };
         map.insert("model.embed_tokens.weight".into(), lm);
-        let fc = Linear::new_packed(map["fc.weight"].clone(), Some(map["fc.bias"].clone()))?;
+        let fc = Linear::new_packed(map["fc.weight"].clone(), map.get("fc.bias").cloned())?;
         let llama = Llama::load(VarBuilder::from_tensors(map.clone(), DType::F32, &device), &cfg.layer)?;
-        let tensors = tensor_names(&cfg.layer).into_iter().map(|(n, _)| (n.clone(), map[&n].clone())).collect();
+        let tensors = tensor_names(&cfg).into_iter().map(|(n, _)| (n.clone(), map[&n].clone())).collect();
         Ok(DraftLayer { cfg, fc, llama, ids, tensors, released: false })
     }
 
@@ -208,6 +288,13 @@ impl DraftLayer {
                 &cfg_path,
                 format!("a {}-layer draft of hidden {}, FFN {} and draft vocabulary {} does not fit the model's hidden {} and vocabulary {}", cfg.layer.num_layers, cfg.layer.hidden_size, cfg.layer.intermediate_size, cfg.layer.vocab_size, mc.hidden_size, mc.vocab_size),
             ));
+        }
+        if let DraftArch::Eagle3 { layers } = &cfg.arch {
+            if layers.len() != 3 || layers.iter().any(|&l| l >= mc.num_layers) || !cfg.layer.eagle3_input {
+                return Err(Error::bad_file(&cfg_path, format!("an EAGLE-3 layer reads three of the target's {} layers; this one names {layers:?}", mc.num_layers)));
+            }
+        } else if cfg.layer.eagle3_input {
+            return Err(Error::bad_file(&cfg_path, "an EAGLE layer configured with EAGLE-3's input"));
         }
         let ts = candle_core::safetensors::load(&w_path, &Device::Cpu).map_err(|e| Error::bad_file(&w_path, format!("not a readable safetensors file: {e}")))?;
         let mut ts = dequantize_stored(ts).map_err(|e| Error::bad_file(&w_path, e))?;
@@ -270,7 +357,7 @@ impl DraftLayer {
         };
         let mut blocks = crate::model::NativeWeights::new();
         for (name, t) in &self.tensors {
-            if t.rank() == 2 && name != "fc.weight" {
+            if t.rank() == 2 && name != "fc.weight" && name != "lm_head.weight" {
                 blocks.insert(name.clone(), crate::model::NativeWeight::Blocks(q4(t)?));
             }
         }
@@ -334,15 +421,65 @@ impl DraftLayer {
             return Err(Error::InvalidArgument(format!("draft layer: {} features for {} tokens", feats.dim(0)?, tokens.len())));
         }
         let e = target.embed(tokens)?;
-        let x = Tensor::cat(&[feats, &e], 1)?.contiguous()?;
-        let x = self.fc.forward(&x)?;
-        self.llama.forward_embeds_after(&x, positions, mask, tail, cache)
+        let d = self.cfg.layer.hidden_size;
+        let width = feats.dim(1)?;
+        match &self.cfg.arch {
+            DraftArch::Eagle => {
+                // The target's final states (the first `d` columns of a wider forward).
+                let f = if width > d { feats.narrow(1, 0, d)? } else { feats.clone() };
+                let x = Tensor::cat(&[&f, &e], 1)?.contiguous()?;
+                let x = self.fc.forward(&x)?;
+                self.llama.forward_embeds_after(&x, positions, mask, tail, cache)
+            }
+            DraftArch::Eagle3 { layers } => {
+                // Its own outputs come back `d` wide; the target's forward is its final states
+                // and then the tapped layers' inputs, which `fc` fuses.
+                let fused = self.cfg.feature_width();
+                let g = if width == d {
+                    feats.clone()
+                } else if width == d + fused {
+                    self.fc.forward(&feats.narrow(1, d, fused)?.contiguous()?)?
+                } else {
+                    return Err(Error::InvalidArgument(format!(
+                        "this EAGLE-3 layer reads the inputs of target layers {layers:?} ({fused} values a token beside the final {d}); the target returned {width}: attach the drafter to the target first (Drafter::attach)"
+                    )));
+                };
+                self.llama.forward_fused_after(&g, &e, positions, mask, tail, cache)
+            }
+        }
+    }
+
+    /// Check that `hidden`, rows of a target forward, carry what this layer reads: an
+    /// EAGLE-3 layer's own outputs are as wide as the target's final states, so a target not
+    /// attached ([`crate::draft::drafter::Drafter::attach`]) would otherwise pass unnoticed.
+    pub fn check_target_states(&self, hidden: &Tensor) -> Result<()> {
+        let d = self.cfg.layer.hidden_size;
+        let want = match self.cfg.arch {
+            DraftArch::Eagle => d,
+            DraftArch::Eagle3 { .. } => d + self.cfg.feature_width(),
+        };
+        let got = hidden.dim(1)?;
+        if got < want || (got != want && matches!(self.cfg.arch, DraftArch::Eagle3 { .. })) {
+            return Err(Error::InvalidArgument(format!(
+                "this draft layer reads target rows of {want} values (final states and target layers {:?}); the target returned {got}: attach the drafter to the target first (Drafter::attach)",
+                self.feature_layers()
+            )));
+        }
+        Ok(())
+    }
+
+    /// The target layers whose inputs this layer reads (none: the final states).
+    pub fn feature_layers(&self) -> &[usize] {
+        self.cfg.arch.feature_layers()
     }
 
     /// Each row's top-`k` guesses for the next token as (token id, probability within the draft
     /// vocabulary), best first.
     pub fn top_k(&self, feats: &Tensor, k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
-        let logits = self.llama.logits(feats)?;
+        let logits = match self.cfg.arch {
+            DraftArch::Eagle => self.llama.logits(feats)?,
+            DraftArch::Eagle3 { .. } => self.llama.logits(&self.llama.final_norm(feats)?)?,
+        };
         let rows = crate::cpu::reduce::top_k_rows(&logits, k)?;
         Ok(rows.into_iter().map(|r| r.into_iter().map(|(i, p)| (self.ids[i as usize], p)).collect()).collect())
     }
@@ -371,12 +508,23 @@ impl TrainLayer {
         let mut w = HashMap::new();
         {
             let mut data = varmap.data().lock().unwrap();
-            for (name, shape) in tensor_names(&cfg.layer) {
+            let eagle3 = matches!(cfg.arch, DraftArch::Eagle3 { .. });
+            let fw = cfg.feature_width();
+            for (name, shape) in tensor_names(&cfg) {
                 let n: usize = shape.iter().product();
                 let values: Vec<f32> = if name.ends_with("norm.weight") {
                     vec![1.0; n]
                 } else if name == "fc.bias" {
                     vec![0.0; n]
+                } else if name == "lm_head.weight" {
+                    // EAGLE-3's own head starts as the target's rows of the draft vocabulary.
+                    target.lm_head_rows(ids)?.flatten_all()?.to_vec1::<f32>()?
+                } else if name == "fc.weight" && eagle3 {
+                    // [0 | 0 | I] + small noise: start from "the highest tapped layer's input".
+                    (0..n).map(|i| {
+                        let (r, c) = (i / fw, i % fw);
+                        if c == fw - d + r { 1.0 } else { (rng.random::<f32>() - 0.5) * 0.02 }
+                    }).collect()
                 } else if name == "fc.weight" {
                     // [I | small noise]: start from "the next feature is like this one".
                     (0..n).map(|i| {
@@ -399,9 +547,24 @@ impl TrainLayer {
     }
 
     /// Predicted features `[T, d]` for one sequence of pairs (`feats[t]`, `embs[t]`) at positions
-    /// 0..T, causally.
+    /// 0..T, causally. `feats`: the target's forward rows (final states, then any tapped
+    /// layers' inputs).
     pub fn forward(&self, feats: &Tensor, embs: &Tensor) -> Result<Tensor> {
         Ok(self.forward_unrolled(feats, std::slice::from_ref(embs))?.remove(0))
+    }
+
+    /// What step 0 reads from the target's forward rows `h [T, d × (1 + layers)]`: EAGLE's
+    /// final states, or EAGLE-3's tapped layers' inputs.
+    fn step0_features(&self, h: &Tensor) -> Result<Tensor> {
+        let d = self.cfg.layer.hidden_size;
+        let (at, width) = match self.cfg.arch {
+            DraftArch::Eagle => (0, d),
+            DraftArch::Eagle3 { .. } => (d, self.cfg.feature_width()),
+        };
+        if h.dim(1)? < at + width {
+            return Err(Error::InvalidArgument(format!("the target's states are {} wide; this draft layer reads columns {at}..{}", h.dim(1)?, at + width)));
+        }
+        Ok(h.narrow(1, at, width)?)
     }
 
     /// Training-time test (EAGLE-3): step 0 runs the pairs (f_t, e_{t+1}) as [`Self::forward`];
@@ -427,15 +590,26 @@ impl TrainLayer {
         let scale = 1.0 / (hd as f64).sqrt();
         let mut kv0: Option<(Tensor, Tensor)> = None;
         let mut chain: Vec<(Tensor, Tensor)> = Vec::new();
-        let mut f = feats.clone();
+        let eagle3 = matches!(self.cfg.arch, DraftArch::Eagle3 { .. });
+        let mut f = self.step0_features(feats)?;
         let mut outs = Vec::with_capacity(embs.len());
         for (s, e) in embs.iter().enumerate() {
             if s + t > self.cos.dim(0)? {
                 return Err(Error::InvalidArgument(format!("sequence of {t} pairs unrolled {s} steps passes the rope table")));
             }
-            let x = Tensor::cat(&[&f, e], 1)?;
-            let x = lin(&x, "fc.weight")?.broadcast_add(w("fc.bias"))?;
-            let h = candle_nn::ops::rms_norm_slow(&x, w(&format!("{l}input_layernorm.weight")), eps)?;
+            // `x` starts the residual stream; `h` is what the attention reads.
+            let (x, h) = if eagle3 {
+                // Step 0 fuses the target's layers; later steps take the layer's own output.
+                let g = if s == 0 { lin(&f, "fc.weight")? } else { f.clone() };
+                let en = candle_nn::ops::rms_norm_slow(e, w(&format!("{l}input_layernorm.weight")), eps)?;
+                let gn = candle_nn::ops::rms_norm_slow(&g, w(&format!("{l}hidden_norm.weight")), eps)?;
+                (g, Tensor::cat(&[&en, &gn], 1)?)
+            } else {
+                let x = Tensor::cat(&[&f, e], 1)?;
+                let x = lin(&x, "fc.weight")?.broadcast_add(w("fc.bias"))?;
+                let h = candle_nn::ops::rms_norm_slow(&x, w(&format!("{l}input_layernorm.weight")), eps)?;
+                (x, h)
+            };
             let q = lin(&h, &format!("{l}self_attn.q_proj.weight"))?.reshape((t, nh, hd))?;
             let k = lin(&h, &format!("{l}self_attn.k_proj.weight"))?.reshape((t, nkv, hd))?;
             let v = lin(&h, &format!("{l}self_attn.v_proj.weight"))?.reshape((t, nkv, hd))?;
@@ -464,15 +638,31 @@ impl TrainLayer {
             let g = lin(&h, &format!("{l}mlp.gate_proj.weight"))?;
             let u = lin(&h, &format!("{l}mlp.up_proj.weight"))?;
             let m = lin(&(g.silu()? * u)?, &format!("{l}mlp.down_proj.weight"))?;
-            f = candle_nn::ops::rms_norm_slow(&(x + m)?, w("model.norm.weight"), eps)?;
+            // EAGLE feeds back (and scores) the normed output; EAGLE-3 feeds back the output
+            // before the final norm and scores it after ([`Self::logits`]).
+            f = if eagle3 { (x + m)? } else { candle_nn::ops::rms_norm_slow(&(x + m)?, w("model.norm.weight"), eps)? };
             outs.push(f.clone());
         }
         Ok(outs)
     }
 
-    /// Draft-vocabulary logits of predicted features.
+    /// Draft-vocabulary logits of predicted features (of [`Self::forward_unrolled`]).
     pub fn logits(&self, f: &Tensor) -> Result<Tensor> {
-        Ok(f.matmul(&self.proj.t()?)?)
+        match self.cfg.arch {
+            DraftArch::Eagle => Ok(f.matmul(&self.proj.t()?)?),
+            DraftArch::Eagle3 { .. } => {
+                let eps = self.cfg.layer.rms_norm_eps as f32;
+                let n = candle_nn::ops::rms_norm_slow(f, &self.w["model.norm.weight"], eps)?;
+                Ok(n.matmul(&self.w["lm_head.weight"].t()?)?)
+            }
+        }
+    }
+
+    /// The target's own logits over the draft vocabulary from its forward rows `h` (final
+    /// states first): the labels' distribution.
+    pub fn target_logits(&self, h: &Tensor) -> Result<Tensor> {
+        let d = self.cfg.layer.hidden_size;
+        Ok(h.narrow(1, 0, d)?.matmul(&self.proj.t()?)?)
     }
 
     /// The current weights, detached, for [`DraftLayer::from_tensors`].

@@ -6,6 +6,7 @@ pub mod budget;
 pub mod choice;
 pub mod datastore;
 pub mod drafter;
+pub mod eagle3;
 pub mod export;
 pub mod heads;
 pub mod layer;

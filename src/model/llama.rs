@@ -75,6 +75,11 @@ pub struct Config {
     /// its GGUFs store 1 + w already (llama.cpp's converter adds the 1).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub norm_offset: f64,
+    /// An EAGLE-3 draft layer: the attention reads `[input_layernorm(embedding),
+    /// hidden_norm(g)]` (twice the hidden width) and the residual stream starts from `g`, a
+    /// feature vector given beside the token (see [`Llama::forward_fused_after`]).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub eagle3_input: bool,
 }
 
 fn is_false(b: &bool) -> bool {
@@ -459,6 +464,8 @@ struct Block {
     mlp: Mlp,
     /// Norms of the attention's and the MLP's outputs (Gemma 3).
     post_norms: Option<(RmsNorm, RmsNorm)>,
+    /// EAGLE-3's norm of the feature half of the attention input (see [`Config::eagle3_input`]).
+    hidden_norm: Option<RmsNorm>,
     /// A local (sliding-window) layer.
     local: bool,
 }
@@ -503,6 +510,9 @@ pub struct Llama {
     device: Device,
     format: WeightFormat,
     kv_dtype: DType,
+    /// Layers whose inputs a forward returns beside the final hidden states (see
+    /// [`Llama::set_feature_layers`]); empty for the final states alone.
+    taps: Vec<usize>,
 }
 
 /// Rotary cos and sin `[positions.len(), head_dim / 2]` for `positions`. Computed per forward
@@ -607,7 +617,8 @@ impl Llama {
             let n = |s: &str| format!("{p}.{s}");
             let (qn, kn, vn, on) = (n("self_attn.q_proj"), n("self_attn.k_proj"), n("self_attn.v_proj"), n("self_attn.o_proj"));
             let (gn, un, dn) = (n("mlp.gate_proj"), n("mlp.up_proj"), n("mlp.down_proj"));
-            let (qs, kvs, os, ups, downs) = ((nh * hd, d), (nkv * hd, d), (d, nh * hd), (ff, d), (d, ff));
+            let attn_in = if cfg.eagle3_input { 2 * d } else { d };
+            let (qs, kvs, os, ups, downs) = ((nh * hd, attn_in), (nkv * hd, attn_in), (d, nh * hd), (ff, d), (d, ff));
             let mut q = linear(&qn, qs.0, qs.1, cfg.attention_bias)?;
             let mut k = linear(&kn, kvs.0, kvs.1, cfg.attention_bias)?;
             let mut v = linear(&vn, kvs.0, kvs.1, cfg.attention_bias)?;
@@ -642,11 +653,12 @@ impl Llama {
                 mlp_norm: norm(&n(if cfg.post_norms { "pre_feedforward_layernorm" } else { "post_attention_layernorm" }))?,
                 mlp: Mlp { gate, up, down, gate_up, activation: cfg.activation },
                 post_norms: if cfg.post_norms { Some((norm(&n("post_attention_layernorm"))?, norm(&n("post_feedforward_layernorm"))?)) } else { None },
+                hidden_norm: if cfg.eagle3_input { Some(norm(&n("hidden_norm"))?) } else { None },
                 local: cfg.local_layers.get(i).copied().unwrap_or(false),
             });
         }
         let final_norm = norm("model.norm")?;
-        let mut model = Llama { embed, blocks, norm: final_norm, lm_head, lm_rows, has_f32: keep_f32, cfg: cfg.clone(), kv_dtype: default_kv_dtype(device), device: device.clone(), format };
+        let mut model = Llama { embed, blocks, norm: final_norm, lm_head, lm_rows, has_f32: keep_f32, cfg: cfg.clone(), kv_dtype: default_kv_dtype(device), device: device.clone(), format, taps: Vec::new() };
         if keep_f32 {
             // Fast copies (and the fused q/k/v and gate/up) from the f32 weights.
             model.set_weights(format, &NativeWeights::new())?;
@@ -790,8 +802,9 @@ impl Llama {
     }
 
     /// Run `tokens` (placed at `positions`, attending as `mask` says, after everything already in
-    /// `cache`) and return the final-norm hidden states `[T, hidden]`. The new tokens' K/V land in
-    /// slots `cache.len()..cache.len()+T` and are committed.
+    /// `cache`) and return the final-norm hidden states `[T, hidden]`, followed by the inputs of
+    /// the layers [`Llama::set_feature_layers`] named (`[T, hidden × (1 + layers)]`). The new
+    /// tokens' K/V land in slots `cache.len()..cache.len()+T` and are committed.
     pub fn forward(&self, tokens: &[u32], positions: &[usize], mask: &TreeMask, cache: &mut KvCache) -> Result<Tensor> {
         self.forward_inner(tokens, positions, mask, cache)
     }
@@ -808,7 +821,45 @@ impl Llama {
         if let Some(&bad) = tokens.iter().find(|&&x| x as usize >= self.cfg.vocab_size) {
             return Err(Error::InvalidArgument(format!("token id {bad} is outside the vocabulary ({})", self.cfg.vocab_size)));
         }
-        self.run_blocks(self.embed_scaled(tokens)?, positions, mask, cache)
+        let (x, taps) = self.run_blocks_multi(self.embed_scaled(tokens)?, None, &mut [Segment { positions, mask, tail: 0, cache }])?;
+        self.features(&x, taps)
+    }
+
+    /// Which layers' inputs (the residual stream entering layer `i`, as vLLM and llama.cpp
+    /// take EAGLE-3 features) every forward returns beside the final hidden states; an EAGLE-3
+    /// drafter reads a low, a middle and a high one. Empty: the final states alone. Why here
+    /// and not per call: every path that runs the target (prefill, verification, a server's
+    /// batch, training's cached states) must hand the drafter the same features.
+    pub fn set_feature_layers(&mut self, layers: &[usize]) -> Result<()> {
+        if let Some(&bad) = layers.iter().find(|&&l| l >= self.cfg.num_layers) {
+            return Err(Error::InvalidArgument(format!("feature layer {bad}: the model has layers 0..{}", self.cfg.num_layers)));
+        }
+        if layers.len() > 8 {
+            return Err(Error::InvalidArgument(format!("{} feature layers; at most 8", layers.len())));
+        }
+        self.taps = layers.to_vec();
+        Ok(())
+    }
+
+    /// The layers whose inputs a forward returns (see [`Llama::set_feature_layers`]).
+    pub fn feature_layers(&self) -> &[usize] {
+        &self.taps
+    }
+
+    /// The final norm of the last block's output, then the tapped layers' inputs beside it.
+    fn features(&self, x: &Tensor, taps: Vec<Tensor>) -> Result<Tensor> {
+        let last = rms_norm(&self.norm, x)?;
+        if taps.is_empty() {
+            return Ok(last);
+        }
+        let mut parts = vec![last];
+        parts.extend(taps);
+        Ok(Tensor::cat(&parts, 1)?)
+    }
+
+    /// The model's final norm (an EAGLE-3 layer returns its output before it).
+    pub fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
+        rms_norm(&self.norm, x)
     }
 
     /// [`Llama::forward`] on input vectors `[T, hidden]` instead of token ids: a draft layer
@@ -834,11 +885,33 @@ impl Llama {
                 cache.len()
             )));
         }
-        self.run_blocks_multi(x.clone(), &mut [Segment { positions, mask, tail, cache }])
+        if self.cfg.eagle3_input {
+            return Err(Error::InvalidArgument("an EAGLE-3 layer takes features and tokens apart (forward_fused_after)".into()));
+        }
+        let (x, _) = self.run_blocks_multi(x.clone(), None, &mut [Segment { positions, mask, tail, cache }])?;
+        rms_norm(&self.norm, &x)
     }
 
-    fn run_blocks(&self, x: Tensor, positions: &[usize], mask: &TreeMask, cache: &mut KvCache) -> Result<Tensor> {
-        self.run_blocks_multi(x, &mut [Segment { positions, mask, tail: 0, cache }])
+    /// An EAGLE-3 layer's forward ([`Config::eagle3_input`]): features `g [T, hidden]` and the
+    /// embeddings `e [T, hidden]` of the tokens beside them, after `tail` tree slots as in
+    /// [`Llama::forward_embeds_after`]. Returns the output *before* the final norm: EAGLE-3
+    /// feeds that back as the next step's `g` (see [`Llama::final_norm`] for the logits).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_fused_after(&self, g: &Tensor, e: &Tensor, positions: &[usize], mask: &TreeMask, tail: usize, cache: &mut KvCache) -> Result<Tensor> {
+        let t = g.dim(0)?;
+        let d = self.cfg.hidden_size;
+        if !self.cfg.eagle3_input || t == 0 || positions.len() != t || mask.len() != tail + t || tail > cache.len() || g.dims() != [t, d] || e.dims() != [t, d] {
+            return Err(Error::InvalidArgument(format!(
+                "EAGLE-3 forward: features {:?}, embeddings {:?}, {} positions, mask for {}, {tail} of {} cached slots in the tree{}",
+                g.dims(),
+                e.dims(),
+                positions.len(),
+                mask.len(),
+                cache.len(),
+                if self.cfg.eagle3_input { "" } else { " (not an EAGLE-3 layer)" }
+            )));
+        }
+        Ok(self.run_blocks_multi(g.clone(), Some(e), &mut [Segment { positions, mask, tail, cache }])?.0)
     }
 
     /// Run several independent sequences' new tokens through the blocks in one pass, `x` holding
@@ -846,7 +919,10 @@ impl Llama {
     /// is read once for the whole batch; attention stays per sequence, over that sequence's own
     /// cache. The kernels are batch-invariant, so each row's result is the same bits as in a
     /// forward of its sequence alone.
-    fn run_blocks_multi(&self, mut x: Tensor, segs: &mut [Segment]) -> Result<Tensor> {
+    ///
+    /// Returns the last block's output before the final norm, and the tapped layers' inputs
+    /// ([`Llama::set_feature_layers`]). `side`: an EAGLE-3 layer's token embeddings.
+    fn run_blocks_multi(&self, mut x: Tensor, side: Option<&Tensor>, segs: &mut [Segment]) -> Result<(Tensor, Vec<Tensor>)> {
         let mut all_pos = Vec::new();
         let mut spans = Vec::with_capacity(segs.len());
         for s in segs.iter_mut() {
@@ -876,12 +952,20 @@ impl Llama {
         };
         let scale = self.cfg.attn_scale.map_or(1.0 / (self.cfg.head_dim as f32).sqrt(), |s| s as f32);
         let mut caches: Vec<&mut KvCache> = segs.iter_mut().map(|s| &mut *s.cache).collect();
+        let mut taps: Vec<Option<Tensor>> = vec![None; self.taps.len()];
         for (i, b) in self.blocks.iter().enumerate() {
             let ((cos, sin), window) = match (&local, b.local) {
                 (Some((rope, firsts)), true) => (rope, Some(firsts.as_slice())),
                 _ => (&global, None),
             };
-            let h = rms_norm(&b.attn_norm, &x)?;
+            if let Some(k) = self.taps.iter().position(|&l| l == i) {
+                taps[k] = Some(x.clone());
+            }
+            let h = match (&b.hidden_norm, side) {
+                (Some(hn), Some(e)) => Tensor::cat(&[rms_norm(&b.attn_norm, e)?, rms_norm(hn, &x)?], 1)?,
+                (None, None) => rms_norm(&b.attn_norm, &x)?,
+                _ => return Err(Error::InvalidArgument("an EAGLE-3 layer needs token embeddings beside its features, and only it takes them".into())),
+            };
             let mut a = b.attn.forward(&h, cos, sin, &spans, window, scale, &mut caches, i)?;
             if let Some((post_attn, _)) = &b.post_norms {
                 a = rms_norm(post_attn, &a)?;
@@ -906,7 +990,7 @@ impl Llama {
         for (c, sp) in caches.iter_mut().zip(&spans) {
             c.append(sp.len)?;
         }
-        rms_norm(&self.norm, &x)
+        Ok((x, taps.into_iter().map(|t| t.expect("every tapped layer ran")).collect()))
     }
 
     /// One forward over several independent sequences (batched decoding): each entry's `tokens`
@@ -938,7 +1022,8 @@ impl Llama {
         }
         let x = self.embed_scaled(&ids)?;
         let mut segs: Vec<Segment> = batch.iter_mut().map(|e| Segment { positions: e.positions, mask: e.mask, tail: 0, cache: &mut *e.cache }).collect();
-        self.run_blocks_multi(x, &mut segs)
+        let (x, taps) = self.run_blocks_multi(x, None, &mut segs)?;
+        self.features(&x, taps)
     }
 
     /// The blocks' input for `tokens`: their embeddings, times √hidden where the model scales
@@ -979,8 +1064,13 @@ impl Llama {
         }
     }
 
-    /// `hidden [T, d] -> logits [T, vocab]`.
+    /// `hidden [T, d] -> logits [T, vocab]`; a forward's wider output (final states and then
+    /// tapped layers, [`Llama::set_feature_layers`]) is read for its final states.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        let d = self.cfg.hidden_size;
+        if hidden.rank() == 2 && hidden.dim(1)? > d {
+            return self.lm_head.forward(&hidden.narrow(1, 0, d)?.contiguous()?);
+        }
         self.lm_head.forward(hidden)
     }
 

@@ -546,7 +546,7 @@ fn gemma3_hf(cfg: &mut Config, c: &serde_json::Value) -> std::result::Result<(),
 
 /// config.json's `rope_scaling` (`type` or `rope_type`): linear and llama3 are supported, null
 /// and `default` mean none; anything else is refused.
-fn hf_rope_scaling(v: &serde_json::Value) -> std::result::Result<Option<crate::model::RopeScaling>, String> {
+pub(crate) fn hf_rope_scaling(v: &serde_json::Value) -> std::result::Result<Option<crate::model::RopeScaling>, String> {
     if v.is_null() {
         return Ok(None);
     }

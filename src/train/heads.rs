@@ -63,6 +63,13 @@ pub struct TrainConfig {
     /// Draft layer: weight of the feature regression (smooth L1) next to the token loss.
     #[serde(default)]
     pub feature_weight: f64,
+    /// Draft layer: EAGLE-3 ([`crate::draft::layer::DraftArch::Eagle3`]) instead of EAGLE.
+    #[serde(default)]
+    pub eagle3: bool,
+    /// EAGLE-3: the target layers whose inputs it reads (empty: the default low, middle and
+    /// high ones, [`crate::draft::layer::eagle3_default_layers`]).
+    #[serde(default)]
+    pub feature_layers: Vec<usize>,
     /// Start from this trained drafter (same kind and shape; its draft vocabulary is kept)
     /// instead of fresh weights: fine-tuning on new data, or more epochs with a new schedule.
     #[serde(default)]
@@ -97,6 +104,8 @@ impl Default for TrainConfig {
             draft_layer: false,
             unroll: 1,
             feature_weight: 0.0,
+            eagle3: false,
+            feature_layers: Vec::new(),
             init: None,
         }
     }
@@ -126,10 +135,32 @@ impl TrainConfig {
         if self.draft_layer && self.draft_vocab == 0 {
             return bad("a draft layer needs a draft vocabulary (--draft-vocab N)");
         }
+        if self.eagle3 && !self.draft_layer {
+            return bad("--eagle3 trains a draft layer: add --draft-layer");
+        }
+        if !self.eagle3 && !self.feature_layers.is_empty() {
+            return bad("--feature-layers is for an EAGLE-3 layer (--eagle3)");
+        }
+        if self.eagle3 && self.feature_weight > 0.0 {
+            return bad("--feature-weight regresses EAGLE's final features; an EAGLE-3 layer predicts no target feature (its output is its own), so it trains on tokens only");
+        }
+        if !self.feature_layers.is_empty() && self.feature_layers.len() != 3 {
+            return bad("--feature-layers takes three layers: a low, a middle and a high one");
+        }
         if self.own_lm_head && self.draft_vocab > 0 {
             return bad("--own-lm-head needs the full vocabulary: add --draft-vocab 0");
         }
         Ok(())
+    }
+
+    /// The target layers a run with this config reads beside the final states, for a target
+    /// of `num_layers` layers (none unless EAGLE-3).
+    pub fn feature_layers_for(&self, num_layers: usize) -> Vec<usize> {
+        match (self.eagle3, self.feature_layers.is_empty()) {
+            (false, _) => Vec::new(),
+            (true, true) => crate::draft::layer::eagle3_default_layers(num_layers),
+            (true, false) => self.feature_layers.clone(),
+        }
     }
 }
 
@@ -226,11 +257,15 @@ impl HiddenCache {
         let hash = target.fingerprint()?.hash;
         // Unmarked reference numerics also keep the names of caches written before the key
         // carried numerics at all (they were all f32/f32), so those states stay valid.
-        let target_key = if m.weight_format() == WeightFormat::F32 && m.kv_dtype() == DType::F32 {
+        let mut target_key = if m.weight_format() == WeightFormat::F32 && m.kv_dtype() == DType::F32 {
             hash
         } else {
             format!("{hash}:{}:{:?}", m.weight_format().name(), m.kv_dtype())
         };
+        // States with tapped layers beside them are other files (wider rows).
+        if !m.feature_layers().is_empty() {
+            target_key.push_str(&format!(":layers{:?}", m.feature_layers()));
+        }
         Ok(HiddenCache { dir: dir.to_path_buf(), target_key })
     }
 

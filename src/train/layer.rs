@@ -24,6 +24,7 @@ const LEVELS_NOTE: &str = " (levels 1..4)";
 /// the tokens each row's pair carries (past the chunk's end: token 0, masked out of the loss).
 fn chunk_inputs(target: &Target, toks: &[u32], h: &Tensor, steps: usize) -> Result<(Tensor, Vec<Tensor>)> {
     let t = toks.len() - 1;
+    // All of each row: the layer takes the columns it reads (final states or tapped layers).
     let feats = h.narrow(0, 0, t)?;
     let mut embs = Vec::with_capacity(steps);
     for s in 0..steps {
@@ -55,12 +56,12 @@ fn chunk_loss(layer: &TrainLayer, target: &Target, ex: &Example, cfg: &TrainConf
     let (feats, embs) = chunk_inputs(target, toks, h, steps)?;
     let preds = layer.forward_unrolled(&feats, &embs)?;
     // The target's own distribution after every position, once for all steps.
-    let p_all = candle_nn::ops::softmax_last_dim(&layer.logits(&h.narrow(0, 1, t)?)?)?;
+    let p_all = candle_nn::ops::softmax_last_dim(&layer.target_logits(&h.narrow(0, 1, t)?)?)?;
     let mut total: Option<Tensor> = None;
     let mut acc = (0, 0);
     for (s, pred) in preds.iter().enumerate() {
         let rows = t - s;
-        let truth = h.narrow(0, s + 1, rows)?;
+        let truth = h.narrow(0, s + 1, rows)?.narrow(1, 0, target.model.config().hidden_size)?;
         let pred = pred.narrow(0, 0, rows)?;
         let p = p_all.narrow(0, s, rows)?;
         // Row r guesses token r + s + 2.
@@ -109,7 +110,8 @@ pub fn validate_layer(layer: &TrainLayer, ids: &[u32], target: &Target, chunks: 
         let (toks, h) = (ex.tokens(), &ex.h);
         let t = toks.len() - 1;
         let steps = VAL_LEVELS.min(t);
-        let own: Vec<u32> = h.matmul(&lm.t()?)?.argmax(D::Minus1)?.to_vec1()?; // own[i] = target's token i+1
+        let d = target.model.config().hidden_size;
+        let own: Vec<u32> = h.narrow(1, 0, d)?.matmul(&lm.t()?)?.argmax(D::Minus1)?.to_vec1()?; // own[i] = target's token i+1
         let (feats, embs) = chunk_inputs(target, toks, h, steps)?;
         let preds = layer.forward_unrolled(&feats, &embs)?;
         for (s, pred) in preds.iter().enumerate() {
@@ -136,7 +138,7 @@ pub fn held_out_layer_accuracy(target: &Target, docs: &[Document], cfg: &TrainCo
     let from = DraftLayer::from_dir(dir, target)?;
     let ids = from.draft_vocab().to_vec();
     let varmap = VarMap::new();
-    let layer = TrainLayer::init(&varmap, DraftLayerConfig::for_target(target, ids.len())?, &ids, &target.model, cfg.seed)?;
+    let layer = TrainLayer::init(&varmap, from.config().clone(), &ids, &target.model, cfg.seed)?;
     crate::train::warm_start(&varmap, from.weights()?, dir)?;
     validate_layer(&layer, &ids, target, &val_set)
 }
@@ -156,6 +158,13 @@ pub fn train_layer(
     if !cfg.draft_layer {
         return Err(Error::InvalidArgument("train_layer needs a draft-layer configuration".into()));
     }
+    let layers = cfg.feature_layers_for(target.model.config().num_layers);
+    if target.model.feature_layers() != layers.as_slice() {
+        return Err(Error::InvalidArgument(format!(
+            "this run trains on the inputs of target layers {layers:?}, but the target returns {:?}: call target.model.set_feature_layers first",
+            target.model.feature_layers()
+        )));
+    }
     std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
     let Prepared { train_set, val_set, train_tokens, val_tokens, hidden_secs } = prepare(target, docs, cfg, cfg.unroll + 2, cache_hidden, true, log)?;
     let (per_epoch, batches_for_epoch) = epoch_batches(&train_set, cfg);
@@ -168,7 +177,12 @@ pub fn train_layer(
         None => frequent_tokens(train_set.iter().map(|c| c.tokens()), cfg.draft_vocab.min(vocab), &target.tokenizer.eos_ids),
     };
     log(format!("draft vocabulary: {} tokens{}", ids.len(), if init.is_some() { ", as --init's" } else { ", the corpus's most frequent" }));
-    let lcfg = DraftLayerConfig::for_target(target, ids.len())?;
+    let lcfg = if cfg.eagle3 { DraftLayerConfig::for_target_eagle3(target, ids.len(), &layers)? } else { DraftLayerConfig::for_target(target, ids.len())? };
+    if let Some(l) = &init {
+        if l.config().arch != lcfg.arch {
+            return Err(Error::InvalidArgument(format!("--init holds a {:?} layer; this run trains a {:?} one", l.config().arch, lcfg.arch)));
+        }
+    }
     let varmap = VarMap::new();
     let layer = TrainLayer::init(&varmap, lcfg.clone(), &ids, &target.model, cfg.seed)?;
     if let (Some(l), Some(dir)) = (&init, &cfg.init) {

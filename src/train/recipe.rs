@@ -29,8 +29,11 @@ pub struct TrainRun<'a> {
 
 /// Train the drafter `cfg` describes (heads, or a draft layer when `cfg.draft_layer`), save it
 /// to `run.out` in f32 with its recipe, and write `report.json` there (atomically).
-pub fn train_drafter(target: &Target, docs: &[Document], cfg: &TrainConfig, run: &TrainRun, progress: Progress, log: &mut dyn FnMut(String)) -> Result<(Drafter, TrainReport, serde_json::Value)> {
+pub fn train_drafter(target: &mut Target, docs: &[Document], cfg: &TrainConfig, run: &TrainRun, progress: Progress, log: &mut dyn FnMut(String)) -> Result<(Drafter, TrainReport, serde_json::Value)> {
     let t0 = Instant::now();
+    // An EAGLE-3 run reads tapped layers from every forward of the target.
+    target.model.set_feature_layers(&cfg.feature_layers_for(target.model.config().num_layers))?;
+    let target = &*target;
     let (trained, report) = if cfg.draft_layer {
         let (l, r) = train_layer(target, docs, cfg, run.out, run.resume, run.cache_hidden, progress, log)?;
         (Drafter::Layer(l), r)
@@ -77,10 +80,17 @@ pub fn recipe(cfg: &TrainConfig, run: &TrainRun, report: &TrainReport, wall_secs
 
 /// Train nothing: the held-out accuracy of the drafter in `cfg.init` on the chunks this data
 /// and config hold out, so drafters can be compared on one validation set.
-pub fn validate_drafter(target: &Target, docs: &[Document], cfg: &TrainConfig, cache_hidden: Option<&Path>, log: &mut dyn FnMut(String)) -> Result<HeadAccuracy> {
-    if cfg.init.is_none() {
+pub fn validate_drafter(target: &mut Target, docs: &[Document], cfg: &TrainConfig, cache_hidden: Option<&Path>, log: &mut dyn FnMut(String)) -> Result<HeadAccuracy> {
+    let Some(init) = &cfg.init else {
         return Err(Error::InvalidArgument("validating needs --init DIR: the drafter to validate".into()));
-    }
+    };
+    // The drafter in --init says which layers it reads.
+    let layers = match crate::draft::layer::DraftLayerConfig::read(init) {
+        Ok(Some(c)) => c.arch.feature_layers().to_vec(),
+        _ => Vec::new(),
+    };
+    target.model.set_feature_layers(&layers)?;
+    let target = &*target;
     if cfg.draft_layer {
         held_out_layer_accuracy(target, docs, cfg, cache_hidden, log)
     } else {
@@ -114,8 +124,8 @@ mod tests {
         let c = crate::model::fixtures::tiny_config();
         let w = crate::model::fixtures::random_weights(&c, 1).unwrap();
         crate::model::fixtures::write_gguf(&dir.join("t.gguf"), &c, &w).unwrap();
-        let t = Target::load(&dir.join("t.gguf"), &candle_core::Device::Cpu).unwrap();
-        let e = validate_drafter(&t, &[], &cfg, None, &mut |_| {}).unwrap_err();
+        let mut t = Target::load(&dir.join("t.gguf"), &candle_core::Device::Cpu).unwrap();
+        let e = validate_drafter(&mut t, &[], &cfg, None, &mut |_| {}).unwrap_err();
         assert!(e.to_string().contains("--init"), "{e}");
         std::fs::remove_dir_all(&dir).ok();
     }

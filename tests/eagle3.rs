@@ -1,0 +1,210 @@
+//! The EAGLE-3 draft layer: its training forward computes what the inference forward computes
+//! (fused target layers at step 0, its own pre-norm output after), drafting keeps greedy output
+//! exactly the target's, training lowers the loss, and the SpecForge/vLLM checkpoint it exports
+//! imports back to the same drafts and refuses other targets.
+mod common;
+
+use candle_core::{Device, Tensor};
+use candle_nn::VarMap;
+use common::*;
+use selfspec::cpu::TreeMask;
+use selfspec::decode::generate::{generate_plain, StopRule};
+use selfspec::decode::sampling::{rng, SamplingParams};
+use selfspec::draft::choice::TreeChoice;
+use selfspec::draft::drafter::Drafter;
+use selfspec::draft::layer::{DraftArch, DraftLayer, DraftLayerConfig, StoreFormat, TrainLayer};
+use selfspec::draft::tree::Tree;
+use selfspec::model::loader::Target;
+use selfspec::spec::verify::Rule;
+use selfspec::spec::{generate_spec, SpecOptions};
+use selfspec::train::layer::train_layer;
+use selfspec::train::TrainConfig;
+
+fn to_vec(t: &Tensor) -> Vec<f32> {
+    t.flatten_all().unwrap().to_vec1().unwrap()
+}
+
+/// A tiny six-layer random model (EAGLE-3 reads a low, a middle and a high layer).
+fn deep_tiny(name: &str, seed: u64) -> Target {
+    let dir = scratch(name);
+    let cfg = selfspec::model::Config { num_layers: 6, ..selfspec::model::fixtures::tiny_config() };
+    let w = selfspec::model::fixtures::random_weights(&cfg, seed).unwrap();
+    let p = dir.join("tiny6.gguf");
+    selfspec::model::fixtures::write_gguf(&p, &cfg, &w).unwrap();
+    Target::load(&p, &Device::Cpu).unwrap()
+}
+
+const LAYERS: [usize; 3] = [1, 3, 4];
+
+fn random_layer(t: &Target, seed: u64) -> (TrainLayer, Vec<u32>) {
+    let vocab = t.model.config().vocab_size;
+    let ids: Vec<u32> = (0..vocab as u32).collect();
+    let cfg = DraftLayerConfig::for_target_eagle3(t, vocab, &LAYERS).unwrap();
+    let layer = TrainLayer::init(&VarMap::new(), cfg, &ids, &t.model, seed).unwrap();
+    (layer, ids)
+}
+
+#[test]
+fn target_forwards_return_the_inputs_of_the_named_layers() {
+    let mut t = deep_tiny("e3-taps", 40);
+    let toks: Vec<u32> = (0..12u32).map(|i| (i * 5 + 2) % 200).collect();
+    let plain = selfspec::train::hidden_states(&t, &toks, None).unwrap();
+    t.model.set_feature_layers(&LAYERS).unwrap();
+    let wide = selfspec::train::hidden_states(&t, &toks, None).unwrap();
+    let d = t.model.config().hidden_size;
+    assert_eq!(wide.dims(), [toks.len(), 4 * d]);
+    // The final states are the same bits, and so are the logits read from the wide rows.
+    assert_eq!(to_vec(&wide.narrow(1, 0, d).unwrap()), to_vec(&plain));
+    assert_eq!(to_vec(&t.model.logits(&wide).unwrap()), to_vec(&t.model.logits(&plain).unwrap()));
+    // Layer 0's input would be the embeddings: a tap there reads them.
+    t.model.set_feature_layers(&[0, 1, 5]).unwrap();
+    let w0 = selfspec::train::hidden_states(&t, &toks, None).unwrap();
+    assert_eq!(to_vec(&w0.narrow(1, d, d).unwrap()), to_vec(&t.model.embed(&toks).unwrap()));
+    assert!(t.model.set_feature_layers(&[6]).is_err(), "a layer past the model is refused");
+}
+
+#[test]
+fn training_forward_matches_inference_forward() {
+    let mut t = deep_tiny("e3-fwd", 41);
+    t.model.set_feature_layers(&LAYERS).unwrap();
+    let (train, ids) = random_layer(&t, 5);
+    let layer = DraftLayer::from_tensors(train.tensors().unwrap(), ids, train.cfg.clone(), &t.model).unwrap();
+    let toks: Vec<u32> = (0..24u32).map(|i| (i * 7 + 3) % t.model.config().vocab_size as u32).collect();
+    let h = selfspec::train::hidden_states(&t, &toks, None).unwrap();
+    let n = toks.len() - 1;
+    let feats = h.narrow(0, 0, n).unwrap();
+    let embs: Vec<Tensor> = (0..3).map(|s| t.model.embed(&(0..n).map(|r| *toks.get(r + s + 1).unwrap_or(&0)).collect::<Vec<_>>()).unwrap()).collect();
+    let preds = train.forward_unrolled(&feats, &embs).unwrap();
+    let mut cache = layer.new_cache().unwrap();
+    let out = layer.forward(&feats, &toks[1..], &(0..n).collect::<Vec<_>>(), &TreeMask::causal(n), &mut cache, &t.model).unwrap();
+    let d0 = max_diff(&to_vec(&out), &to_vec(&preds[0]));
+    assert!(d0 < 1e-3, "step 0 differs by {d0}");
+    // Logits after the final norm and the layer's own head agree too.
+    let la = train.logits(&preds[0]).unwrap();
+    let top = layer.top_k(&out.narrow(0, 3, 1).unwrap(), 1).unwrap()[0][0].0;
+    let want: Vec<u32> = la.argmax(candle_core::D::Minus1).unwrap().to_vec1().unwrap();
+    assert_eq!(top, want[3]);
+    for a in [0usize, 9] {
+        let mut c = layer.new_cache().unwrap();
+        let mut f = layer.forward(&h.narrow(0, 0, a + 1).unwrap(), &toks[1..a + 2], &(0..a + 1).collect::<Vec<_>>(), &TreeMask::causal(a + 1), &mut c, &t.model).unwrap().narrow(0, a, 1).unwrap();
+        for s in 1..3 {
+            // Its own output (hidden-size wide) goes back in without the fusing fc.
+            f = layer.forward(&f, &[toks[a + s + 1]], &[a + s], &TreeMask::causal(1), &mut c, &t.model).unwrap();
+            let d = max_diff(&to_vec(&f), &to_vec(&preds[s].narrow(0, a, 1).unwrap()));
+            assert!(d < 1e-3, "anchor {a}, step {s}: differs by {d}");
+        }
+    }
+}
+
+#[test]
+fn drafting_keeps_greedy_output_exact_and_an_unattached_target_is_refused() {
+    let mut t = deep_tiny("e3-exact", 42);
+    let (train, ids) = random_layer(&t, 6);
+    let drafter = Drafter::Layer(DraftLayer::from_tensors(train.tensors().unwrap(), ids, train.cfg.clone(), &t.model).unwrap());
+    let params = SamplingParams::greedy();
+    let prompt = [1u32, 5, 9, 2, 7, 7, 3];
+    let opts = |tree: TreeChoice| SpecOptions { tree, lookup: None, datastore: None, rule: Rule::Greedy, params: params.clone(), stop: StopRule { max_new_tokens: 32, eos_ids: &[] } };
+    // Not attached: the target returns its final states only, and drafting says what to do.
+    let e = generate_spec(&t.model, &drafter, &prompt, &opts(TreeChoice::Dynamic(6)), &mut rng(0), &mut |_| Ok(())).err().expect("refused").to_string();
+    assert!(e.contains("attach"), "{e}");
+    drafter.attach(&mut t).unwrap();
+    assert_eq!(t.model.feature_layers(), LAYERS);
+    let (plain, _) = generate_plain(&t.model, &prompt, &params, &StopRule { max_new_tokens: 32, eos_ids: &[] }, &mut rng(0), &mut |_| Ok(())).unwrap();
+    for tree in [TreeChoice::Static(Tree::chain(4)), TreeChoice::Dynamic(6), TreeChoice::Dynamic(12)] {
+        let (out, _) = generate_spec(&t.model, &drafter, &prompt, &opts(tree.clone()), &mut rng(0), &mut |_| Ok(())).unwrap();
+        assert_eq!(out, plain, "tree {tree:?}");
+    }
+}
+
+fn quick_cfg() -> TrainConfig {
+    TrainConfig {
+        draft_layer: true,
+        eagle3: true,
+        feature_layers: LAYERS.to_vec(),
+        unroll: 3,
+        epochs: 3,
+        lr: 3e-3,
+        warmup_steps: 2,
+        seq_len: 64,
+        batch_tokens: 128,
+        val_fraction: 0.2,
+        checkpoint_every: 2,
+        draft_vocab: 64,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn trains_exports_for_vllm_and_llama_cpp_and_imports_to_the_same_drafts() {
+    let mut t = deep_tiny("e3-train", 43);
+    // The run checks that the target returns the layers it trains on.
+    let e = train_layer(&t, &corpus(), &quick_cfg(), &scratch("e3-unattached"), false, None, &mut |_, _, _, _, _| {}, &mut |_| {}).err().expect("refused").to_string();
+    assert!(e.contains("set_feature_layers"), "{e}");
+    t.model.set_feature_layers(&LAYERS).unwrap();
+    let (layer, rep) = train_layer(&t, &corpus(), &quick_cfg(), &scratch("e3-run"), false, None, &mut |_, _, _, _, _| {}, &mut |_| {}).unwrap();
+    let n = rep.losses.len();
+    let (first, last) = (rep.losses[..3].iter().sum::<f64>() / 3.0, rep.losses[n - 3..].iter().sum::<f64>() / 3.0);
+    assert!(last < first * 0.9, "loss {first} -> {last}");
+    assert_eq!(layer.config().arch, DraftArch::Eagle3 { layers: LAYERS.to_vec() });
+
+    // Saved in our format and in EAGLE-3's.
+    let ours = scratch("e3-ours");
+    layer.save_as(&ours, StoreFormat::F32).unwrap();
+    let ckpt = scratch("e3-ckpt");
+    let from_ours = Drafter::from_dir(&ours, &t).unwrap();
+    selfspec::draft::export::export(&from_ours, &ours, &t, &ckpt, "eagle3".parse().unwrap()).unwrap();
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(ckpt.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["architectures"][0], "LlamaForCausalLMEagle3");
+    assert_eq!(cfg["num_hidden_layers"], 1);
+    assert_eq!(cfg["draft_vocab_size"], layer.draft_vocab().len());
+    assert_eq!(cfg["target_hidden_size"], 64);
+    assert_eq!(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"], serde_json::json!(LAYERS));
+    let bytes = std::fs::read(ckpt.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut names: Vec<String> = st.names().into_iter().map(|s| s.to_string()).collect();
+    names.sort();
+    for want in ["d2t", "t2d", "fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight", "midlayer.self_attn.q_proj.weight", "norm.weight", "lm_head.weight"] {
+        assert!(names.iter().any(|n| n == want), "{want} missing from {names:?}");
+    }
+    assert_eq!(st.tensor("fc.weight").unwrap().shape(), [64, 3 * 64]);
+    assert_eq!(st.tensor("midlayer.self_attn.q_proj.weight").unwrap().shape(), [64, 2 * 64]);
+    assert_eq!(st.tensor("t2d").unwrap().dtype(), safetensors::Dtype::BOOL);
+    // d2t: target id = slot + d2t[slot].
+    let d2t: Vec<i64> = st.tensor("d2t").unwrap().data().chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).collect();
+    let ids: Vec<u32> = d2t.iter().enumerate().map(|(s, o)| (s as i64 + o) as u32).collect();
+    assert_eq!(ids, layer.draft_vocab());
+
+    // Imported back: the same drafts and the same speculative run, step for step.
+    let back = Drafter::from_dir(&ckpt, &t).unwrap();
+    let d = t.model.config().hidden_size;
+    let x = Tensor::from_vec((0..2 * d).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect::<Vec<f32>>(), (2, d), &Device::Cpu).unwrap();
+    let (Drafter::Layer(a), Drafter::Layer(b)) = (&from_ours, &back) else { panic!("both load as layers") };
+    assert_eq!(a.top_k(&x, 5).unwrap(), b.top_k(&x, 5).unwrap());
+    let params = SamplingParams::greedy();
+    let opts = SpecOptions { tree: TreeChoice::Dynamic(8), lookup: None, datastore: None, rule: Rule::Greedy, params: params.clone(), stop: StopRule { max_new_tokens: 40, eos_ids: &[] } };
+    let prompt = t.tokenizer.encode("the cat sat on", false).unwrap();
+    let (o1, s1) = generate_spec(&t.model, &from_ours, &prompt, &opts, &mut rng(0), &mut |_| Ok(())).unwrap();
+    let (o2, s2) = generate_spec(&t.model, &back, &prompt, &opts, &mut rng(0), &mut |_| Ok(())).unwrap();
+    assert_eq!(o1, o2);
+    assert_eq!(s1.accept_hist, s2.accept_hist, "the imported drafter accepts differently");
+    let (plain, _) = generate_plain(&t.model, &prompt, &params, &StopRule { max_new_tokens: 40, eos_ids: &[] }, &mut rng(0), &mut |_| Ok(())).unwrap();
+    assert_eq!(o1, plain);
+
+    // Another target (same shapes, other weights) is refused by the recorded fingerprint; a
+    // checkpoint without it (as other tools write) is checked by its sizes.
+    let other = deep_tiny("e3-other", 44);
+    assert!(Drafter::from_dir(&ckpt, &other).is_err());
+    let mut c2 = cfg.clone();
+    c2.as_object_mut().unwrap().remove("selfspec");
+    c2["vocab_size"] = serde_json::json!(1000);
+    std::fs::write(ckpt.join("config.json"), serde_json::to_string(&c2).unwrap()).unwrap();
+    let e = Drafter::from_dir(&ckpt, &t).err().expect("refused").to_string();
+    assert!(e.contains("config.json") && e.contains("1000"), "{e}");
+
+    // An EAGLE layer has no EAGLE-3 form.
+    let mut t2 = deep_tiny("e3-eagle", 45);
+    t2.model.set_feature_layers(&[]).unwrap();
+    let (eagle, _) = train_layer(&t2, &corpus(), &TrainConfig { eagle3: false, feature_layers: vec![], max_steps: 1, ..quick_cfg() }, &scratch("e3-eagle-run"), false, None, &mut |_, _, _, _, _| {}, &mut |_| {}).unwrap();
+    let e = selfspec::draft::export::export(&Drafter::Layer(eagle), &ours, &t2, &scratch("e3-x"), "eagle3".parse().unwrap()).err().expect("refused").to_string();
+    assert!(e.contains("EAGLE-3"), "{e}");
+}
