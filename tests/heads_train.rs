@@ -175,6 +175,27 @@ fn heads_round_trip_and_reject_other_targets() {
     assert!(!imported.config().own_lm_head, "a copied lm_head is recognised as shared");
     assert_eq!(imported.draft_logits(&x, 7, &t.model).unwrap().to_vec2::<f32>().unwrap(), want);
     assert_eq!(Heads::from_dir(&mdir, &t).unwrap().num_heads(), h.num_heads());
+    // vLLM's Medusa layout round-trips too, with the full vocabulary and with a reduced one
+    // (its token_map), and names its tensors as vLLM loads them.
+    let vdir = scratch("heads-rt-vllm");
+    h.export_medusa_vllm(&vdir, &t).unwrap();
+    let vcfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(vdir.join("config.json")).unwrap()).unwrap();
+    assert_eq!(vcfg["architectures"][0], "MedusaModel");
+    assert_eq!(vcfg["num_heads"], h.num_heads());
+    let names: Vec<String> = candle_core::safetensors::load(vdir.join("model.safetensors"), &Device::Cpu).unwrap().into_keys().collect();
+    assert!(names.iter().any(|n| n == "blocks.0.layers.0.weight") && names.iter().any(|n| n == "lm_heads.0.weight"), "{names:?}");
+    let back = Heads::from_dir(&vdir, &t).unwrap();
+    assert!(!back.config().own_lm_head);
+    assert_eq!(back.draft_logits(&x, 7, &t.model).unwrap().to_vec2::<f32>().unwrap(), want);
+    let (hv, _) = run(&t, &TrainConfig { epochs: 1, token_aware: false, draft_vocab: 40, ..quick_cfg() }, &scratch("heads-rt-train-dv"), false);
+    assert!(hv.draft_vocab().is_some());
+    let vdir2 = scratch("heads-rt-vllm-dv");
+    hv.export_medusa_vllm(&vdir2, &t).unwrap();
+    let back = Heads::from_dir(&vdir2, &t).unwrap();
+    assert_eq!(back.draft_vocab(), hv.draft_vocab());
+    assert_eq!(back.draft_logits(&x, 7, &t.model).unwrap().to_vec2::<f32>().unwrap(), hv.draft_logits(&x, 7, &t.model).unwrap().to_vec2::<f32>().unwrap());
+    let (_, other) = tiny_gguf("heads-rt-other-vllm", 98);
+    assert!(Heads::from_dir(&vdir2, &other).is_err(), "another model is refused");
     // Another target (different weights) is refused, naming both.
     let (_, other) = tiny_gguf("heads-rt-other", 99);
     let e = Heads::from_dir(&dir, &other).err().expect("must refuse").to_string();
@@ -195,6 +216,7 @@ fn heads_round_trip_and_reject_other_targets() {
     assert_eq!(a, ta.draft_logits(&x, 7, &t.model).unwrap().to_vec2::<f32>().unwrap());
     assert_ne!(a, ta2.draft_logits(&x, 8, &t.model).unwrap().to_vec2::<f32>().unwrap(), "the root token must matter");
     assert!(ta.export_medusa(&scratch("heads-rt-ta-medusa"), &t).is_err());
+    assert!(ta.export_medusa_vllm(&scratch("heads-rt-ta-vllm"), &t).is_err());
     // Missing files.
     let empty = scratch("heads-rt-empty");
     assert!(Heads::from_dir(&empty, &t).err().unwrap().to_string().contains("heads.json"));

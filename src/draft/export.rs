@@ -11,8 +11,12 @@ use crate::{Error, Result};
 /// The formats `export` writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ExportFormat {
-    /// FasterDecoding/Medusa's layout (heads only, full vocabulary, no root-token input).
+    /// FasterDecoding/Medusa's layout (TGI reads it; heads only, full vocabulary, no
+    /// root-token input).
     Medusa,
+    /// vLLM's Medusa layout (`MedusaModel`: `blocks.*`, `lm_heads.*`, a reduced vocabulary as
+    /// `token_map`; no root-token input).
+    MedusaVllm,
     F16,
     F32,
     /// 8-bit blocks, a quarter of f32 (draft layers only).
@@ -27,11 +31,12 @@ impl FromStr for ExportFormat {
     fn from_str(s: &str) -> Result<Self> {
         Ok(match s {
             "medusa" => ExportFormat::Medusa,
+            "medusa-vllm" => ExportFormat::MedusaVllm,
             "f16" => ExportFormat::F16,
             "f32" => ExportFormat::F32,
             "q8" => ExportFormat::Q8,
             "eagle3" => ExportFormat::Eagle3,
-            _ => return Err(Error::InvalidArgument(format!("unknown export format '{s}' (medusa, eagle3, f16, f32, q8)"))),
+            _ => return Err(Error::InvalidArgument(format!("unknown export format '{s}' (medusa, medusa-vllm, eagle3, f16, f32, q8)"))),
         })
     }
 }
@@ -41,6 +46,8 @@ impl FromStr for ExportFormat {
 pub fn export(drafter: &Drafter, from: &Path, target: &Target, out: &Path, format: ExportFormat) -> Result<String> {
     match (drafter, format) {
         (Drafter::Heads(h), ExportFormat::Medusa) => h.export_medusa(out, target)?,
+        (Drafter::Heads(h), ExportFormat::MedusaVllm) => h.export_medusa_vllm(out, target)?,
+        (Drafter::Layer(_), ExportFormat::MedusaVllm) => return Err(Error::bad_file(from, "a draft layer has no Medusa-format equivalent (Medusa heads read one hidden state; the layer attends over the prefix); an EAGLE-3 layer exports as eagle3")),
         (Drafter::Heads(_), ExportFormat::Eagle3) => return Err(Error::bad_file(from, "Medusa heads have no EAGLE-3 form (train --draft-layer --eagle3)")),
         (Drafter::Layer(l), ExportFormat::Eagle3) => crate::draft::eagle3::export(l, target, out).map_err(|e| Error::bad_file(from, e.to_string()))?,
         (Drafter::Heads(_), ExportFormat::Q8) => return Err(Error::bad_file(from, "q8 storage is for draft layers; store heads as f16 or f32")),

@@ -63,6 +63,8 @@ pub struct Heads {
 
 pub const WEIGHTS_FILE: &str = "heads.safetensors";
 pub const CONFIG_FILE: &str = "heads.json";
+/// vLLM's Medusa weights file.
+pub const VLLM_MEDUSA_WEIGHTS: &str = "model.safetensors";
 
 impl Heads {
     /// Build from a VarBuilder holding `heads.{k}.blocks.{l}.{weight,bias}` (and
@@ -329,7 +331,10 @@ impl Heads {
             if dir.join("medusa_lm_head.safetensors").exists() {
                 return Self::import_medusa(dir, target);
             }
-            return Err(Error::bad_file(dir, format!("heads directory needs {CONFIG_FILE} and {WEIGHTS_FILE} (or a Medusa medusa_lm_head.safetensors + config.json)")));
+            if dir.join(VLLM_MEDUSA_WEIGHTS).exists() && dir.join("config.json").exists() {
+                return Self::import_medusa_vllm(dir, target);
+            }
+            return Err(Error::bad_file(dir, format!("heads directory needs {CONFIG_FILE} and {WEIGHTS_FILE} (or the Medusa format's medusa_lm_head.safetensors + config.json, or vLLM's model.safetensors + config.json)")));
         }
         let s = crate::files::read_config(&cfg_path)?;
         let cfg: HeadsConfig = serde_json::from_str(&s).map_err(|e| Error::bad_file(&cfg_path, format!("invalid heads config: {e}")))?;
@@ -386,6 +391,141 @@ impl Heads {
             "selfspec_target": target.fingerprint()?,
         });
         crate::files::write_atomic(&dir.join("config.json"), cfg.to_string().as_bytes())
+    }
+
+    /// Write vLLM's Medusa format (`config.json` with `MedusaModel`, `model.safetensors` with
+    /// `blocks.{k}.layers.{l}.{weight,bias}` and `lm_heads.{k}.weight`; a reduced draft
+    /// vocabulary as `truncated_vocab_size` and the `token_map` of its ids). Token-aware heads
+    /// have no equivalent: vLLM's heads read the hidden state alone.
+    pub fn export_medusa_vllm(&self, dir: &Path, target: &Target) -> Result<()> {
+        if self.cfg.token_aware {
+            return Err(Error::InvalidArgument("token-aware heads (they read the root token too) have no vLLM Medusa equivalent; train with --no-root-token to export".into()));
+        }
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        let mut m = HashMap::new();
+        // The rows each head scores: its own, or the target's (whole, or the draft vocabulary's).
+        let shared = match &self.draft_vocab {
+            Some((ids, _)) => target.model.lm_head_rows(ids)?,
+            None => target.model.lm_head_weight()?,
+        };
+        for (k, bs) in self.blocks.iter().enumerate() {
+            for (l, b) in bs.iter().enumerate() {
+                m.insert(format!("blocks.{k}.layers.{l}.weight"), b.lin.weight().clone());
+                m.insert(format!("blocks.{k}.layers.{l}.bias"), b.lin.bias().expect("blocks have biases").clone());
+            }
+            let w = if self.cfg.own_lm_head { self.own[k].weight().clone() } else { shared.clone() };
+            m.insert(format!("lm_heads.{k}.weight"), w);
+        }
+        let truncated = match &self.draft_vocab {
+            Some((ids, _)) => {
+                m.insert("token_map".into(), Tensor::from_vec(ids.iter().map(|&i| i as i64).collect::<Vec<_>>(), ids.len(), &Device::Cpu)?);
+                ids.len()
+            }
+            None => self.cfg.vocab_size,
+        };
+        crate::files::save_safetensors(&m, None, &dir.join(VLLM_MEDUSA_WEIGHTS))?;
+        let cfg = serde_json::json!({
+            "architectures": ["MedusaModel"], "model_type": "medusa",
+            "hidden_size": self.cfg.hidden_size, "vocab_size": self.cfg.vocab_size,
+            "num_heads": self.cfg.num_heads, "num_hidden_layers": self.cfg.num_layers,
+            "truncated_vocab_size": truncated, "medusa_fc_bias": true,
+            "base_model_name_or_path": target.path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default(),
+            "selfspec_target": target.fingerprint()?,
+        });
+        crate::files::write_atomic(&dir.join("config.json"), cfg.to_string().as_bytes())
+    }
+
+    /// Read vLLM's Medusa format ([`Heads::export_medusa_vllm`]), checking the base model as far
+    /// as the config records it. Heads whose rows equal the target's become shared.
+    pub fn import_medusa_vllm(dir: &Path, target: &Target) -> Result<Self> {
+        let cfg_path = dir.join("config.json");
+        let w_path = dir.join(VLLM_MEDUSA_WEIGHTS);
+        let c: serde_json::Value = serde_json::from_str(&crate::files::read_config(&cfg_path)?).map_err(|e| Error::bad_file(&cfg_path, format!("invalid JSON: {e}")))?;
+        let get = |k: &str| c[k].as_u64().map(|v| v as usize).ok_or_else(|| Error::bad_file(&cfg_path, format!("missing '{k}'")));
+        let (k_heads, layers) = (get("num_heads")?, get("num_hidden_layers")?);
+        let mcfg = target.model.config();
+        let here = target.fingerprint()?;
+        let mismatch = |recorded: String| Error::HeadsMismatch { heads: dir.to_path_buf(), heads_target: recorded, model_target: here.to_string() };
+        for (key, want) in [("hidden_size", mcfg.hidden_size), ("vocab_size", mcfg.vocab_size)] {
+            if get(key)? != want {
+                return Err(mismatch(format!("a model with {key} {}", get(key)?)));
+            }
+        }
+        if let Some(fp) = c.get("selfspec_target").filter(|v| !v.is_null()) {
+            let fp: crate::model::loader::Fingerprint = serde_json::from_value(fp.clone()).map_err(|e| Error::bad_file(&cfg_path, format!("invalid selfspec_target: {e}")))?;
+            if fp != here {
+                return Err(mismatch(fp.to_string()));
+            }
+        }
+        if !(1..=64).contains(&k_heads) || layers > 16 {
+            return Err(Error::bad_file(&cfg_path, format!("{k_heads} heads of {layers} layers: expected 1 to 64 heads of at most 16 layers")));
+        }
+        let truncated = c["truncated_vocab_size"].as_u64().map(|v| v as usize).unwrap_or(mcfg.vocab_size);
+        if truncated == 0 || truncated > mcfg.vocab_size {
+            return Err(Error::bad_file(&cfg_path, format!("truncated_vocab_size {truncated} for a vocabulary of {}", mcfg.vocab_size)));
+        }
+        let bias = c["medusa_fc_bias"].as_bool().unwrap_or(false);
+        let ts = candle_core::safetensors::load(&w_path, &Device::Cpu).map_err(|e| Error::bad_file(&w_path, format!("not a readable safetensors file: {e}")))?;
+        let tensor = |name: &str| ts.get(name).ok_or_else(|| Error::bad_file(&w_path, format!("missing tensor {name}")));
+        let ids: Option<Vec<u32>> = if truncated < mcfg.vocab_size {
+            let t = tensor("token_map")?;
+            let v: Vec<i64> = t.to_dtype(DType::I64)?.flatten_all()?.to_vec1()?;
+            if v.len() != truncated || v.iter().any(|&i| i < 0 || i as usize >= mcfg.vocab_size) || v.windows(2).any(|w| w[0] >= w[1]) {
+                return Err(Error::bad_file(&w_path, format!("token_map must hold {truncated} ascending ids below {}", mcfg.vocab_size)));
+            }
+            Some(v.into_iter().map(|i| i as u32).collect())
+        } else {
+            None
+        };
+        let d = mcfg.hidden_size;
+        let shared = match &ids {
+            Some(ids) => target.model.lm_head_rows(ids)?.to_device(&Device::Cpu)?,
+            None => target.model.lm_head_weight()?.to_device(&Device::Cpu)?,
+        };
+        let original = c["original_lm_head"].as_bool().unwrap_or(false);
+        let mut renamed = HashMap::new();
+        let mut own = false;
+        for k in 0..k_heads {
+            for l in 0..layers {
+                let w = tensor(&format!("blocks.{k}.layers.{l}.weight"))?.to_dtype(DType::F32)?;
+                if w.dims() != [d, d] {
+                    return Err(Error::bad_file(&w_path, format!("blocks.{k}.layers.{l}.weight is {:?}; expected [{d}, {d}]", w.dims())));
+                }
+                let b = if bias { tensor(&format!("blocks.{k}.layers.{l}.bias"))?.to_dtype(DType::F32)? } else { Tensor::zeros(d, DType::F32, &Device::Cpu)? };
+                renamed.insert(format!("heads.{k}.blocks.{l}.weight"), w);
+                renamed.insert(format!("heads.{k}.blocks.{l}.bias"), b);
+            }
+            let name = if original { "lm_heads.0.weight".to_string() } else { format!("lm_heads.{k}.weight") };
+            let name = if original && !ts.contains_key(&name) { "lm_head.weight".to_string() } else { name };
+            let w = tensor(&name)?.to_dtype(DType::F32)?;
+            if w.dims() != [truncated, d] {
+                return Err(Error::bad_file(&w_path, format!("{name} is {:?}; expected [{truncated}, {d}]", w.dims())));
+            }
+            own |= w.sub(&shared)?.abs()?.max_all()?.to_scalar::<f32>()? != 0.0;
+            renamed.insert(format!("heads.{k}.lm_head.weight"), w);
+        }
+        if !own {
+            renamed.retain(|k, _| !k.ends_with("lm_head.weight"));
+        }
+        if let Some(ids) = &ids {
+            renamed.insert("draft_vocab".into(), Tensor::from_vec(ids.iter().map(|&i| i as f32).collect::<Vec<_>>(), ids.len(), &Device::Cpu)?);
+        }
+        let cfg = HeadsConfig {
+            num_heads: k_heads,
+            num_layers: layers,
+            hidden_size: d,
+            vocab_size: mcfg.vocab_size,
+            own_lm_head: own,
+            target: here.clone(),
+            draft_vocab_size: ids.as_ref().map(|v| v.len()),
+            token_aware: false,
+            recipe: serde_json::json!({"imported_from": dir.display().to_string(), "format": "vllm medusa"}),
+        };
+        let vb = VarBuilder::from_tensors(renamed, DType::F32, target.model.device());
+        let mut heads = Self::load(vb, &cfg).map_err(|e| Error::bad_file(&w_path, e.to_string()))?;
+        heads.bind_draft_vocab(&target.model).map_err(|e| Error::bad_file(&w_path, e.to_string()))?;
+        crate::cpu::quant::with_block_fallback(target.model.weight_format(), |f| heads.set_draft_format(f))?;
+        Ok(heads)
     }
 
     /// Read the Medusa format. Heads whose projection equals the target's lm_head become shared.
