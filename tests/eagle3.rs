@@ -146,6 +146,10 @@ fn trains_exports_for_vllm_and_llama_cpp_and_imports_to_the_same_drafts() {
     let (first, last) = (rep.losses[..3].iter().sum::<f64>() / 3.0, rep.losses[n - 3..].iter().sum::<f64>() / 3.0);
     assert!(last < first * 0.9, "loss {first} -> {last}");
     assert_eq!(layer.config().arch, DraftArch::Eagle3 { layers: LAYERS.to_vec() });
+    // Validation estimates τ from held-out acceptance runs: a tree keeps at least what a
+    // chain does.
+    let v = rep.val.last().unwrap();
+    assert!(v.tau_chain >= 1.0 && v.tau_tree >= v.tau_chain && v.tau_tree <= 5.0, "{v:?}");
 
     // Saved in our format and in EAGLE-3's.
     let ours = scratch("e3-ours");

@@ -146,10 +146,13 @@ pub fn run(a: TrainArgs) -> Result<()> {
         let init = a.init.as_ref().map(|p| p.display().to_string()).unwrap_or_default();
         let per = if cfg.draft_layer { "level" } else { "head" };
         println!(
-            "{kind} in {init}: held-out top-1 {:?} top-5 {:?} per {per} over {} positions (vs the target's own greedy tokens), {:.0}s",
+            "{kind} in {init}: held-out top-1 {:?} top-5 {:?} per {per} over {} positions (vs the target's own greedy tokens); estimated τ (bonus token counted) chain {:.2}, tree {:?} {:.2}; {:.0}s",
             fmt_acc(&v.top1),
             fmt_acc(&v.top5),
             v.positions,
+            v.tau_chain,
+            selfspec::train::heads::TREE_WIDTHS,
+            v.tau_tree,
             t0.elapsed().as_secs_f64()
         );
         return Ok(());
@@ -171,13 +174,16 @@ pub fn run(a: TrainArgs) -> Result<()> {
     }
     let v = report.val.last().cloned().unwrap_or_default();
     eprintln!(
-        "trained {kind}: {} steps, {} train tokens, loss {:.3}, {:.0} tok/s | held-out top-1 {:?} top-5 {:?} (vs the target's own greedy tokens) -> {}",
+        "trained {kind}: {} steps, {} train tokens, loss {:.3}, {:.0} tok/s | held-out top-1 {:?} top-5 {:?} (vs the target's own greedy tokens), estimated τ (bonus token counted) chain {:.2}, tree {:?} {:.2} -> {}",
         report.steps,
         report.train_tokens,
         report.final_loss,
         report.train_tokens_per_sec,
         fmt_acc(&v.top1),
         fmt_acc(&v.top5),
+        v.tau_chain,
+        selfspec::train::heads::TREE_WIDTHS,
+        v.tau_tree,
         a.out.display()
     );
     Ok(())

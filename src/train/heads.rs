@@ -170,6 +170,52 @@ pub struct HeadAccuracy {
     pub positions: usize,
     pub top1: Vec<f64>,
     pub top5: Vec<f64>,
+    /// Estimated τ (tokens per target forward, the bonus token counted) of a greedy chain as
+    /// deep as the levels validated, from where each held-out position's first wrong guess
+    /// falls ([`TauEstimate`]).
+    #[serde(default)]
+    pub tau_chain: f64,
+    /// The same for a tree keeping the top [`TREE_WIDTHS`] guesses per level.
+    #[serde(default)]
+    pub tau_tree: f64,
+}
+
+/// Per-level widths of the tree whose τ validation estimates: the top 3 guesses at the first
+/// level, 2 at the second, then one (at most 3 + 6 + 6 + 6 = 21 nodes over 4 levels).
+pub const TREE_WIDTHS: [usize; 4] = [3, 2, 1, 1];
+
+/// An acceptance-length estimate during training (EAGLE-3 reports one): for every held-out
+/// position, the rank of the target's own next tokens among the drafter's guesses level by
+/// level, each level drafted along the true tokens above it. Along the target's greedy path
+/// that is exactly what verification sees: a chain accepts levels while the truth is each
+/// level's first guess, a tree while it is within that level's width. τ = 1 + the mean run of
+/// accepted levels (a level not scored ends the run, so ends of answers count a little low).
+#[derive(Debug, Default)]
+pub struct TauEstimate {
+    /// Per position, per level: the truth's rank among the top 5 (None: not among them, or
+    /// the level is not scored).
+    ranks: Vec<Vec<Option<usize>>>,
+}
+
+impl TauEstimate {
+    /// One held-out position's ranks, level by level.
+    pub fn push(&mut self, ranks: Vec<Option<usize>>) {
+        self.ranks.push(ranks);
+    }
+
+    /// τ for per-level widths `widths` (1s: a chain).
+    pub fn tau(&self, widths: &[usize]) -> f64 {
+        if self.ranks.is_empty() {
+            return 0.0;
+        }
+        let run = |r: &Vec<Option<usize>>| r.iter().zip(widths).take_while(|(x, &w)| x.is_some_and(|k| k < w)).count();
+        1.0 + self.ranks.iter().map(run).sum::<usize>() as f64 / self.ranks.len() as f64
+    }
+
+    /// (chain τ, tree τ) over the levels recorded.
+    pub fn both(&self) -> (f64, f64) {
+        (self.tau(&[1; 64]), self.tau(&TREE_WIDTHS))
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -550,6 +596,7 @@ pub fn validate(heads: &Heads, target: &Target, chunks: &[Example]) -> Result<He
     let mut top1 = vec![0usize; k_heads];
     let mut top5 = vec![0usize; k_heads];
     let mut counts = vec![0usize; k_heads];
+    let mut tau = TauEstimate::default();
     for ex in chunks {
         let (toks, h, scored) = (ex.tokens(), &ex.h, ex.scored());
         let n = toks.len();
@@ -558,6 +605,7 @@ pub fn validate(heads: &Heads, target: &Target, chunks: &[Example]) -> Result<He
         // predicted from the corpus prefix, which contains that token.
         let root = if heads.config().token_aware { Some(target.model.embed(&toks[1..n - 1])?) } else { None };
         let logits = heads.train_logits(&h.narrow(0, 0, n - 2)?, root.as_ref(), lm)?;
+        let mut ranks = vec![vec![None; k_heads]; n - 2];
         for k in 0..k_heads {
             let lk = logits.get(k)?;
             let top = crate::cpu::reduce::top_k_rows(&lk, 5)?;
@@ -568,12 +616,19 @@ pub fn validate(heads: &Heads, target: &Target, chunks: &[Example]) -> Result<He
                     counts[k] += 1;
                     top1[k] += (id(top[t][0].0) == truth) as usize;
                     top5[k] += top[t].iter().any(|x| id(x.0) == truth) as usize;
+                    ranks[t][k] = top[t].iter().position(|x| id(x.0) == truth);
                 }
+            }
+        }
+        for (t, r) in ranks.into_iter().enumerate() {
+            if scored.get(t + 2).copied().unwrap_or(false) {
+                tau.push(r);
             }
         }
     }
     let frac = |a: &[usize]| a.iter().zip(&counts).map(|(&x, &c)| x as f64 / c.max(1) as f64).collect();
-    Ok(HeadAccuracy { positions: counts.first().copied().unwrap_or(0), top1: frac(&top1), top5: frac(&top5) })
+    let (tau_chain, tau_tree) = tau.both();
+    Ok(HeadAccuracy { positions: counts.first().copied().unwrap_or(0), top1: frac(&top1), top5: frac(&top5), tau_chain, tau_tree })
 }
 
 /// Chunks with the frozen backbone's hidden states, split into training and held-out sets.
@@ -884,7 +939,15 @@ pub(crate) fn run_steps(
         }
         if step.is_multiple_of(per_epoch) {
             if let Some(v) = validate()? {
-                log(format!("epoch {}: validation top-1 {:?} top-5 {:?}{val_levels}", step / per_epoch, fmt(&v.top1), fmt(&v.top5)));
+                log(format!(
+                    "epoch {}: validation top-1 {:?} top-5 {:?}{val_levels}; estimated τ (bonus token counted) chain {:.2}, tree {:?} {:.2}",
+                    step / per_epoch,
+                    fmt(&v.top1),
+                    fmt(&v.top5),
+                    v.tau_chain,
+                    TREE_WIDTHS,
+                    v.tau_tree
+                ));
             }
         }
     }
@@ -933,6 +996,22 @@ pub fn describe_inputs(paths: &[PathBuf]) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tau_estimate_counts_runs_of_accepted_levels() {
+        let mut t = TauEstimate::default();
+        // Levels 1-2 right at the first guess, level 3's truth the second guess: a chain and
+        // the tree (widths 3, 2, 1, 1) both accept 2.
+        t.push(vec![Some(0), Some(0), Some(1), Some(0)]);
+        // Level 1's truth is the second guess: the chain accepts none, the tree 4.
+        t.push(vec![Some(1), Some(0), Some(0), Some(0)]);
+        // Nothing right.
+        t.push(vec![None, Some(0), Some(0), Some(0)]);
+        let (chain, tree) = t.both();
+        assert!((chain - (1.0 + 2.0 / 3.0)).abs() < 1e-12, "{chain}");
+        assert!((tree - (1.0 + 6.0 / 3.0)).abs() < 1e-12, "{tree}");
+        assert_eq!(TauEstimate::default().both(), (0.0, 0.0));
+    }
 
     #[test]
     fn fit_batches_keeps_every_chunk_once() {

@@ -106,6 +106,7 @@ pub fn validate_layer(layer: &TrainLayer, ids: &[u32], target: &Target, chunks: 
     let mut top1 = vec![0usize; VAL_LEVELS];
     let mut top5 = vec![0usize; VAL_LEVELS];
     let mut counts = vec![0usize; VAL_LEVELS];
+    let mut tau = crate::train::heads::TauEstimate::default();
     for ex in chunks {
         let (toks, h) = (ex.tokens(), &ex.h);
         let t = toks.len() - 1;
@@ -114,6 +115,7 @@ pub fn validate_layer(layer: &TrainLayer, ids: &[u32], target: &Target, chunks: 
         let own: Vec<u32> = h.narrow(1, 0, d)?.matmul(&lm.t()?)?.argmax(D::Minus1)?.to_vec1()?; // own[i] = target's token i+1
         let (feats, embs) = chunk_inputs(target, toks, h, steps)?;
         let preds = layer.forward_unrolled(&feats, &embs)?;
+        let mut ranks = vec![vec![None; steps]; t];
         for (s, pred) in preds.iter().enumerate() {
             let rows = t - s;
             let top = crate::cpu::reduce::top_k_rows(&layer.logits(&pred.narrow(0, 0, rows)?)?, 5)?;
@@ -122,11 +124,20 @@ pub fn validate_layer(layer: &TrainLayer, ids: &[u32], target: &Target, chunks: 
                 counts[s] += 1;
                 top1[s] += (ids[row[0].0 as usize] == truth) as usize;
                 top5[s] += row.iter().any(|x| ids[x.0 as usize] == truth) as usize;
+                ranks[r][s] = row.iter().position(|x| ids[x.0 as usize] == truth);
+            }
+        }
+        // Level s of row r drafts along the true tokens above it: the run of levels whose truth
+        // ranks within reach is what verification would accept.
+        for (r, rk) in ranks.into_iter().enumerate() {
+            if scored_at(ex, r + 2) {
+                tau.push(rk);
             }
         }
     }
     let frac = |a: &[usize]| a.iter().zip(&counts).map(|(&x, &c)| x as f64 / c.max(1) as f64).collect();
-    Ok(HeadAccuracy { positions: counts[0], top1: frac(&top1), top5: frac(&top5) })
+    let (tau_chain, tau_tree) = tau.both();
+    Ok(HeadAccuracy { positions: counts[0], top1: frac(&top1), top5: frac(&top5), tau_chain, tau_tree })
 }
 
 /// Train a draft layer on `docs`, writing checkpoints into `out`.

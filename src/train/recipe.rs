@@ -71,6 +71,9 @@ pub fn recipe(cfg: &TrainConfig, run: &TrainRun, report: &TrainReport, wall_secs
         "final_loss": report.final_loss,
         "val_top1": report.val.last().map(|v| v.top1.clone()),
         "val_top5": report.val.last().map(|v| v.top5.clone()),
+        // Estimated from held-out acceptance runs; τ counts the bonus token.
+        "val_tau_chain": report.val.last().map(|v| v.tau_chain),
+        "val_tau_tree": report.val.last().map(|v| v.tau_tree),
         "hidden_secs": report.hidden_secs,
         "train_secs": report.train_secs,
         "train_tokens_per_sec": report.train_tokens_per_sec,
