@@ -212,3 +212,26 @@ fn trains_exports_for_vllm_and_llama_cpp_and_imports_to_the_same_drafts() {
     let e = selfspec::draft::export::export(&Drafter::Layer(eagle), &ours, &t2, &scratch("e3-x"), "eagle3".parse().unwrap()).err().expect("refused").to_string();
     assert!(e.contains("EAGLE-3"), "{e}");
 }
+
+/// A layer reading the default layers exports without naming them (SGLang reads named ids as
+/// layer outputs, vLLM and llama.cpp as inputs; unnamed, all take the same default) and imports
+/// back to the same layers.
+#[test]
+fn default_layers_go_unnamed_and_come_back() {
+    let t = deep_tiny("e3-default", 46);
+    let layers = selfspec::draft::layer::eagle3_default_layers(6);
+    assert_eq!(layers, [2, 3, 3]);
+    let vocab = t.model.config().vocab_size;
+    let ids: Vec<u32> = (0..vocab as u32).collect();
+    let cfg = DraftLayerConfig::for_target_eagle3(&t, vocab, &layers).unwrap();
+    let train = TrainLayer::init(&VarMap::new(), cfg, &ids, &t.model, 3).unwrap();
+    let layer = DraftLayer::from_tensors(train.tensors().unwrap(), ids, train.cfg.clone(), &t.model).unwrap();
+    let dir = scratch("e3-default-ckpt");
+    selfspec::draft::eagle3::export(&layer, &t, &dir).unwrap();
+    let c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    assert!(c.get("eagle_aux_hidden_state_layer_ids").is_none() && c["eagle_config"].get("eagle_aux_hidden_state_layer_ids").is_none(), "{c}");
+    // A full draft vocabulary still carries d2t (all zeros) for llama.cpp.
+    let back = selfspec::draft::eagle3::import(&dir, &t).unwrap();
+    assert_eq!(back.feature_layers(), layers);
+    assert_eq!(back.draft_vocab(), layer.draft_vocab());
+}

@@ -7,7 +7,8 @@
 //! in the draft vocabulary or not).
 //!
 //! Feature layers are named as vLLM and llama.cpp read them: layer i's *input*, the residual
-//! stream entering it (default 2, n/2, n-3). A layer trained here and exported drafts the same
+//! stream entering it (default 2, n/2, n-3). SGLang reads named ids as layer *outputs*, so the
+//! export names them only when they are not the default, which every runtime agrees on. A layer trained here and exported drafts the same
 //! tokens when imported back (tested), so a drafter moves between this tool and the servers.
 use std::collections::HashMap;
 use std::path::Path;
@@ -127,6 +128,15 @@ pub fn export(layer: &DraftLayer, target: &Target, out: &Path) -> Result<()> {
         // Not read by other tools: lets an import here check the target beyond its sizes.
         "selfspec": { "target": cfg.target, "recipe": cfg.recipe },
     });
+    let mut config = config;
+    if *layers == eagle3_default_layers(tc.num_layers) {
+        // The default layers go unnamed: vLLM, llama.cpp and SGLang then all take the inputs
+        // of layers 2, n/2 and n-3. Named ids mean layer inputs to vLLM and llama.cpp, but
+        // layer outputs to SGLang (it adds one), so a named set would be off by one there.
+        let o = config.as_object_mut().expect("an object");
+        o.remove("eagle_aux_hidden_state_layer_ids");
+        o["eagle_config"].as_object_mut().expect("an object").remove("eagle_aux_hidden_state_layer_ids");
+    }
     let json = serde_json::to_string_pretty(&config).expect("config serialises");
     crate::files::write_atomic(&out.join(CONFIG_FILE), json.as_bytes())
 }
