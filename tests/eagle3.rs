@@ -194,6 +194,11 @@ fn trains_exports_for_vllm_and_llama_cpp_and_imports_to_the_same_drafts() {
     let (plain, _) = generate_plain(&t.model, &prompt, &params, &StopRule { max_new_tokens: 40, eos_ids: &[] }, &mut rng(0), &mut |_| Ok(())).unwrap();
     assert_eq!(o1, plain);
 
+    // A checkpoint from elsewhere is a starting point for training here (--init).
+    let (tuned, _) = train_layer(&t, &corpus(), &TrainConfig { init: Some(ckpt.clone()), max_steps: 2, ..quick_cfg() }, &scratch("e3-tune"), false, None, &mut |_, _, _, _, _| {}, &mut |_| {}).unwrap();
+    assert_eq!(tuned.draft_vocab(), layer.draft_vocab());
+    assert_eq!(back.kind(), "EAGLE-3 draft layer");
+
     // Another target (same shapes, other weights) is refused by the recorded fingerprint; a
     // checkpoint without it (as other tools write) is checked by its sizes.
     let other = deep_tiny("e3-other", 44);

@@ -55,10 +55,8 @@ impl Drafter {
     /// [`Drafter::from_dir_as`], with a note for the user when the drafter could not take
     /// `format` and drafts in another one (see [`Drafter::set_format`]).
     pub fn from_dir_noted(dir: &Path, target: &Target, format: WeightFormat) -> Result<(Self, Option<String>)> {
-        let mut d = if dir.join(LAYER_CONFIG_FILE).exists() {
-            Drafter::Layer(DraftLayer::from_dir(dir, target)?)
-        } else if crate::draft::eagle3::is_eagle3_dir(dir) {
-            Drafter::Layer(crate::draft::eagle3::import(dir, target)?)
+        let mut d = if dir.join(LAYER_CONFIG_FILE).exists() || crate::draft::eagle3::is_eagle3_dir(dir) {
+            Drafter::Layer(load_layer(dir, target)?)
         } else {
             Drafter::Heads(Heads::from_dir(dir, target)?)
         };
@@ -101,10 +99,11 @@ impl Drafter {
         }
     }
 
-    /// "heads" or "layer", for reports.
+    /// "heads" or "draft layer", for reports.
     pub fn kind(&self) -> &'static str {
         match self {
             Drafter::Heads(_) => "heads",
+            Drafter::Layer(l) if !l.feature_layers().is_empty() => "EAGLE-3 draft layer",
             Drafter::Layer(_) => "draft layer",
         }
     }
@@ -155,6 +154,16 @@ impl Drafter {
             }
         }
     }
+}
+
+/// A draft layer from `dir` in either of the formats it comes in: ours (`draft.json`), or an
+/// EAGLE-3 checkpoint (SpecForge/vLLM `config.json`, [`crate::draft::eagle3`]). With its f32
+/// weights, e.g. to train from.
+pub fn load_layer(dir: &Path, target: &Target) -> Result<DraftLayer> {
+    if !dir.join(LAYER_CONFIG_FILE).exists() && crate::draft::eagle3::is_eagle3_dir(dir) {
+        return crate::draft::eagle3::import(dir, target);
+    }
+    DraftLayer::from_dir(dir, target)
 }
 
 /// One step's proposal.

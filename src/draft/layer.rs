@@ -167,16 +167,6 @@ impl DraftLayerConfig {
         Ok(cfg)
     }
 
-    /// The config in drafter directory `dir`, if it holds a draft layer.
-    pub fn read(dir: &Path) -> Result<Option<Self>> {
-        let path = dir.join(LAYER_CONFIG_FILE);
-        if !path.exists() {
-            return Ok(None);
-        }
-        let s = crate::files::read_config(&path)?;
-        serde_json::from_str(&s).map(Some).map_err(|e| Error::bad_file(&path, format!("invalid draft layer config: {e}")))
-    }
-
     /// Widths of the features the drafter reads from the target (fc's input).
     pub fn feature_width(&self) -> usize {
         self.layer.hidden_size * self.arch.feature_layers().len().max(1)

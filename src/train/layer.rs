@@ -146,7 +146,7 @@ pub fn validate_layer(layer: &TrainLayer, ids: &[u32], target: &Target, chunks: 
 /// chunks only (see [`crate::train::held_out_accuracy`]).
 pub fn held_out_layer_accuracy(target: &Target, docs: &[Document], cfg: &TrainConfig, cache_hidden: Option<&Path>, log: &mut dyn FnMut(String)) -> Result<HeadAccuracy> {
     let (dir, val_set) = crate::train::held_out_set(target, docs, cfg, cfg.unroll + 2, cache_hidden, log)?;
-    let from = DraftLayer::from_dir(dir, target)?;
+    let from = crate::draft::drafter::load_layer(dir, target)?;
     let ids = from.draft_vocab().to_vec();
     let varmap = VarMap::new();
     let layer = TrainLayer::init(&varmap, from.config().clone(), &ids, &target.model, cfg.seed)?;
@@ -182,7 +182,7 @@ pub fn train_layer(
     let total_steps = per_epoch * cfg.epochs;
     let device = target.model.device().clone();
     let vocab = target.model.config().vocab_size;
-    let init = cfg.init.as_deref().map(|dir| DraftLayer::from_dir(dir, target)).transpose()?;
+    let init = cfg.init.as_deref().map(|dir| crate::draft::drafter::load_layer(dir, target)).transpose()?;
     let ids = match &init {
         Some(l) => l.draft_vocab().to_vec(),
         None => frequent_tokens(train_set.iter().map(|c| c.tokens()), cfg.draft_vocab.min(vocab), &target.tokenizer.eos_ids),

@@ -88,10 +88,7 @@ pub fn validate_drafter(target: &mut Target, docs: &[Document], cfg: &TrainConfi
         return Err(Error::InvalidArgument("validating needs --init DIR: the drafter to validate".into()));
     };
     // The drafter in --init says which layers it reads.
-    let layers = match crate::draft::layer::DraftLayerConfig::read(init) {
-        Ok(Some(c)) => c.arch.feature_layers().to_vec(),
-        _ => Vec::new(),
-    };
+    let layers = if cfg.draft_layer { crate::draft::drafter::load_layer(init, target)?.feature_layers().to_vec() } else { Vec::new() };
     target.model.set_feature_layers(&layers)?;
     let target = &*target;
     if cfg.draft_layer {
