@@ -24,10 +24,10 @@ fn to_vec(t: &Tensor) -> Vec<f32> {
     t.flatten_all().unwrap().to_vec1().unwrap()
 }
 
-/// A tiny six-layer random model (EAGLE-3 reads a low, a middle and a high layer).
+/// A tiny eight-layer random model (EAGLE-3 reads a low, a middle and a high layer).
 fn deep_tiny(name: &str, seed: u64) -> Target {
     let dir = scratch(name);
-    let cfg = selfspec::model::Config { num_layers: 6, ..selfspec::model::fixtures::tiny_config() };
+    let cfg = selfspec::model::Config { num_layers: 8, ..selfspec::model::fixtures::tiny_config() };
     let w = selfspec::model::fixtures::random_weights(&cfg, seed).unwrap();
     let p = dir.join("tiny6.gguf");
     selfspec::model::fixtures::write_gguf(&p, &cfg, &w).unwrap();
@@ -60,7 +60,16 @@ fn target_forwards_return_the_inputs_of_the_named_layers() {
     t.model.set_feature_layers(&[0, 1, 5]).unwrap();
     let w0 = selfspec::train::hidden_states(&t, &toks, None).unwrap();
     assert_eq!(to_vec(&w0.narrow(1, d, d).unwrap()), to_vec(&t.model.embed(&toks).unwrap()));
-    assert!(t.model.set_feature_layers(&[6]).is_err(), "a layer past the model is refused");
+    assert!(t.model.set_feature_layers(&[8]).is_err(), "a layer past the model is refused");
+    // Repeated layers each get the layer's input.
+    t.model.set_feature_layers(&[3, 3, 3]).unwrap();
+    let rep = selfspec::train::hidden_states(&t, &toks, None).unwrap();
+    assert_eq!(to_vec(&rep.narrow(1, d, d).unwrap()), to_vec(&rep.narrow(1, 3 * d, d).unwrap()));
+    // A drafter reads three distinct layers in ascending order (what vLLM and SGLang capture).
+    for bad in [vec![3, 3, 5], vec![5, 3, 1], vec![1, 2], vec![1, 2, 8]] {
+        assert!(DraftLayerConfig::for_target_eagle3(&t, 10, &bad).is_err(), "{bad:?}");
+    }
+    assert!(TrainConfig { draft_layer: true, eagle3: true, feature_layers: vec![4, 2, 6], ..Default::default() }.validate().is_err());
 }
 
 #[test]
@@ -109,6 +118,9 @@ fn drafting_keeps_greedy_output_exact_and_an_unattached_target_is_refused() {
     assert!(e.contains("attach"), "{e}");
     drafter.attach(&mut t).unwrap();
     assert_eq!(t.model.feature_layers(), LAYERS);
+    // tune times drafting on rows as wide as the target's.
+    let (propose, commit) = drafter.draft_cost_ms(&t.model).unwrap();
+    assert!(propose > 0.0 && commit > 0.0);
     let (plain, _) = generate_plain(&t.model, &prompt, &params, &StopRule { max_new_tokens: 32, eos_ids: &[] }, &mut rng(0), &mut |_| Ok(())).unwrap();
     for tree in [TreeChoice::Static(Tree::chain(4)), TreeChoice::Dynamic(6), TreeChoice::Dynamic(12)] {
         let (out, _) = generate_spec(&t.model, &drafter, &prompt, &opts(tree.clone()), &mut rng(0), &mut |_| Ok(())).unwrap();
@@ -224,8 +236,8 @@ fn trains_exports_for_vllm_and_llama_cpp_and_imports_to_the_same_drafts() {
 #[test]
 fn default_layers_go_unnamed_and_come_back() {
     let t = deep_tiny("e3-default", 46);
-    let layers = selfspec::draft::layer::eagle3_default_layers(6);
-    assert_eq!(layers, [2, 3, 3]);
+    let layers = selfspec::draft::layer::eagle3_default_layers(8);
+    assert_eq!(layers, [2, 4, 5]);
     let vocab = t.model.config().vocab_size;
     let ids: Vec<u32> = (0..vocab as u32).collect();
     let cfg = DraftLayerConfig::for_target_eagle3(&t, vocab, &layers).unwrap();
@@ -239,4 +251,23 @@ fn default_layers_go_unnamed_and_come_back() {
     let back = selfspec::draft::eagle3::import(&dir, &t).unwrap();
     assert_eq!(back.feature_layers(), layers);
     assert_eq!(back.draft_vocab(), layer.draft_vocab());
+
+    // Variants this layer does not compute are refused, naming what: a flag in the config, a
+    // tensor it has no place for.
+    let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    let mut flagged: serde_json::Value = serde_json::from_str(&text).unwrap();
+    flagged["norm_before_residual"] = serde_json::json!(true);
+    std::fs::write(dir.join("config.json"), flagged.to_string()).unwrap();
+    let e = selfspec::draft::eagle3::import(&dir, &t).err().expect("refused").to_string();
+    assert!(e.contains("norm_before_residual"), "{e}");
+    std::fs::write(dir.join("config.json"), &text).unwrap();
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut views: Vec<(String, safetensors::tensor::TensorView)> = st.tensors();
+    let d = t.model.config().hidden_size;
+    let extra: Vec<u8> = vec![0u8; d * 4];
+    views.push(("midlayer.self_attn.q_proj.bias".into(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![d], &extra).unwrap()));
+    std::fs::write(dir.join("model.safetensors"), safetensors::serialize(views, None).unwrap()).unwrap();
+    let e = selfspec::draft::eagle3::import(&dir, &t).err().expect("refused").to_string();
+    assert!(e.contains("q_proj.bias"), "{e}");
 }

@@ -518,7 +518,8 @@ impl Drafter {
     /// Drafting cost in ms as (per step, per extra level below the first), medians of a few
     /// runs on a short made-up context.
     pub fn draft_cost_ms(&self, model: &Llama) -> Result<(f64, f64)> {
-        let d = model.config().hidden_size;
+        // As wide as the target's forward rows (an EAGLE-3 layer's tapped layers included).
+        let d = model.config().hidden_size * (1 + model.feature_layers().len());
         let n = 32;
         let hidden = Tensor::zeros((n, d), candle_core::DType::F32, model.device())?;
         let prompt: Vec<u32> = (0..n as u32).collect();

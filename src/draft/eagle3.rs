@@ -147,8 +147,24 @@ pub fn export(layer: &DraftLayer, target: &Target, out: &Path) -> Result<()> {
 /// when it was exported here.
 pub fn import(dir: &Path, target: &Target) -> Result<DraftLayer> {
     let cfg_path = dir.join(CONFIG_FILE);
-    let c: serde_json::Value = serde_json::from_str(&crate::files::read_config(&cfg_path)?).map_err(|e| Error::bad_file(&cfg_path, format!("invalid JSON: {e}")))?;
+    let mut c: serde_json::Value = serde_json::from_str(&crate::files::read_config(&cfg_path)?).map_err(|e| Error::bad_file(&cfg_path, format!("invalid JSON: {e}")))?;
     let bad = |m: String| Error::bad_file(&cfg_path, m);
+    // vLLM's speculators layout (Eagle3Speculator) nests the layer's settings.
+    if let Some(inner) = c.get("transformer_layer_config").and_then(|v| v.as_object()).cloned() {
+        let o = c.as_object_mut().ok_or_else(|| bad("not a JSON object".into()))?;
+        for (k, v) in inner {
+            o.insert(k, v);
+        }
+    }
+    // Variants this layer does not compute are refused rather than drafted wrongly.
+    for flag in ["norm_before_residual", "norm_before_fc", "attention_bias", "mlp_bias"] {
+        if c[flag].as_bool() == Some(true) {
+            return Err(Error::unsupported(&cfg_path, format!("an EAGLE-3 variant with {flag}: true")));
+        }
+    }
+    if let Some(act) = c["hidden_act"].as_str().filter(|a| *a != "silu") {
+        return Err(Error::unsupported(&cfg_path, format!("hidden_act '{act}' (an EAGLE-3 layer here is a SiLU Llama layer)")));
+    }
     let tc = target.model.config().clone();
     let u = |k: &str| -> Result<usize> { c[k].as_u64().map(|v| v as usize).ok_or_else(|| bad(format!("missing or non-integer '{k}'"))) };
     if u("num_hidden_layers")? != 1 {
@@ -191,10 +207,11 @@ pub fn import(dir: &Path, target: &Target) -> Result<DraftLayer> {
         l.rope_theta = c["rope_theta"].as_f64().or_else(|| c["rope_parameters"]["rope_theta"].as_f64()).unwrap_or(10000.0);
         l.rope_scaling = crate::model::loader::hf_rope_scaling(if c["rope_scaling"].is_null() { &c["rope_parameters"] } else { &c["rope_scaling"] }).map_err(|m| Error::unsupported(&cfg_path, m))?;
         l.max_position = c["max_position_embeddings"].as_u64().map(|v| v as usize).unwrap_or(tc.max_position).min(tc.max_position);
+        // `validate` first: it checks the products below without overflow.
+        l.validate().map_err(&bad)?;
         if l.intermediate_size > 64 * hidden || l.num_heads * l.head_dim > 64 * hidden {
             return Err(bad(format!("an FFN of {} and {} heads of {} are out of proportion to hidden {hidden}", l.intermediate_size, l.num_heads, l.head_dim)));
         }
-        l.validate().map_err(&bad)?;
     }
     if let Some(r) = c["selfspec"].get("recipe") {
         dcfg.recipe = r.clone();
@@ -204,44 +221,61 @@ pub fn import(dir: &Path, target: &Target) -> Result<DraftLayer> {
     let bytes = crate::files::read_data(&w_path)?;
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| Error::bad_file(&w_path, format!("not a readable safetensors file: {e}")))?;
     let wbad = |m: String| Error::bad_file(&w_path, m);
+    // Every tensor's name and shape are checked against the config before any is converted.
+    let expected: HashMap<String, Vec<usize>> = tensor_names(&dcfg).into_iter().collect();
     let mut ts: HashMap<String, Tensor> = HashMap::new();
     let mut d2t: Option<Vec<i64>> = None;
-    let mut own_embed: Option<Tensor> = None;
+    let mut embed_rows: Option<Vec<Vec<f32>>> = None;
+    let sample: Vec<u32> = (0..vocab as u32).step_by((vocab / 64).max(1)).collect();
     for (name, view) in st.tensors() {
         let shape = view.shape().to_vec();
         let data = view.data();
+        let dtype = view.dtype();
+        let to_f32 = |bytes: &[u8]| -> Result<Vec<f32>> {
+            Ok(match dtype {
+                safetensors::Dtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+                safetensors::Dtype::F16 => bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+                safetensors::Dtype::BF16 => bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+                other => return Err(wbad(format!("{name} is {other:?}; weights must be f32, f16 or bf16"))),
+            })
+        };
         if name == "t2d" {
             continue;
         }
         if name == "d2t" {
-            if view.dtype() != safetensors::Dtype::I64 || shape != [draft_vocab] {
-                return Err(wbad(format!("d2t is {:?} {shape:?}; expected I64 [{draft_vocab}]", view.dtype())));
+            if dtype != safetensors::Dtype::I64 || shape != [draft_vocab] {
+                return Err(wbad(format!("d2t is {dtype:?} {shape:?}; expected I64 [{draft_vocab}]")));
             }
-            d2t = Some(data.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes"))).collect());
+            d2t = Some(data.chunks_exact(8).map(|b| i64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]])).collect());
             continue;
         }
-        let values: Vec<f32> = match view.dtype() {
-            safetensors::Dtype::F32 => data.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes"))).collect(),
-            safetensors::Dtype::F16 => data.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-            safetensors::Dtype::BF16 => data.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-            other => return Err(wbad(format!("{name} is {other:?}; weights must be f32, f16 or bf16"))),
-        };
-        let t = Tensor::from_vec(values, shape.as_slice(), &Device::Cpu).map_err(|e| wbad(format!("{name}: {e}")))?;
         if name.ends_with("embed_tokens.weight") {
-            own_embed = Some(t);
+            // Only the rows compared with the target's are read.
+            if shape != [vocab, hidden] {
+                return Err(wbad(format!("{name} is {shape:?}; the target's embedding is [{vocab}, {hidden}]")));
+            }
+            let row = data.len() / vocab;
+            embed_rows = Some(sample.iter().map(|&i| to_f32(&data[i as usize * row..(i as usize + 1) * row])).collect::<Result<_>>()?);
             continue;
         }
-        ts.insert(our_name(&name), t);
+        let ours = our_name(&name);
+        match expected.get(&ours) {
+            Some(want) if *want == shape => {}
+            Some(want) => return Err(wbad(format!("{name} is {shape:?}; the config says {want:?}"))),
+            None => return Err(Error::unsupported(&w_path, format!("tensor {name}: not part of the EAGLE-3 layer computed here (biases, extra norms and other variants are not supported)"))),
+        }
+        let t = Tensor::from_vec(to_f32(data)?, shape.as_slice(), &Device::Cpu).map_err(|e| wbad(format!("{name}: {e}")))?;
+        ts.insert(ours, t);
     }
     let ids: Vec<u32> = match d2t {
         Some(off) => {
             let mut seen = vec![false; vocab];
             let mut ids = Vec::with_capacity(off.len());
-            for (slot, o) in off.iter().enumerate() {
-                let id = slot as i64 + o;
-                if id < 0 || id as usize >= vocab || std::mem::replace(&mut seen[id as usize], true) {
-                    return Err(wbad(format!("d2t maps draft slot {slot} to token {id}: outside the vocabulary of {vocab}, or a token mapped twice")));
-                }
+            for (slot, &o) in off.iter().enumerate() {
+                let id = (slot as i64).checked_add(o).filter(|&id| id >= 0 && (id as u64) < vocab as u64);
+                let Some(id) = id.filter(|&id| !std::mem::replace(&mut seen[id as usize], true)) else {
+                    return Err(wbad(format!("d2t maps draft slot {slot} by {o}: outside the vocabulary of {vocab}, or onto a token mapped already")));
+                };
                 ids.push(id as u32);
             }
             ids
@@ -249,19 +283,19 @@ pub fn import(dir: &Path, target: &Target) -> Result<DraftLayer> {
         None if draft_vocab == vocab => (0..vocab as u32).collect(),
         None => return Err(wbad(format!("no d2t map for a draft vocabulary of {draft_vocab} of {vocab} tokens"))),
     };
-    if let Some(e) = own_embed {
+    if let Some(rows) = embed_rows {
         // The layer reads the target's embeddings; a checkpoint with its own (SpecForge keeps a
         // frozen copy of the target's) must agree with them, or it was made for another model.
-        if e.dims() != [vocab, hidden] {
-            return Err(wbad(format!("embed_tokens.weight is {:?}; the target's embedding is [{vocab}, {hidden}]", e.dims())));
-        }
-        let sample: Vec<u32> = (0..vocab as u32).step_by((vocab / 64).max(1)).collect();
-        let theirs = e.index_select(&Tensor::new(sample.as_slice(), &Device::Cpu)?, 0)?;
-        let ours = target.model.embed(&sample)?.to_device(&Device::Cpu)?;
-        let diff = (&theirs - &ours)?.abs()?.max_all()?.to_scalar::<f32>()?;
-        let scale = ours.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-6);
-        if diff > 0.02 * scale {
-            return Err(wbad(format!("its own token embedding differs from the target's (largest difference {diff:.3} against values up to {scale:.3}): made for another model")));
+        // Cosine per row: a 4-bit target's rows differ from the original's by their rounding.
+        let ours: Vec<Vec<f32>> = target.model.embed(&sample)?.to_device(&Device::Cpu)?.to_vec2()?;
+        let cos = |a: &[f32], b: &[f32]| {
+            let dot: f32 = a.iter().zip(b).map(|(x, y)| x * y).sum();
+            let n = (a.iter().map(|x| x * x).sum::<f32>() * b.iter().map(|x| x * x).sum::<f32>()).sqrt();
+            if n > 0.0 { dot / n } else { 1.0 }
+        };
+        let mean = rows.iter().zip(&ours).map(|(a, b)| cos(a, b)).sum::<f32>() / rows.len().max(1) as f32;
+        if mean < 0.95 {
+            return Err(wbad(format!("its own token embedding is not the target's (mean cosine {mean:.3} over {} rows): made for another model", rows.len())));
         }
     }
     let layer = DraftLayer::from_tensors(ts, ids, dcfg, &target.model).map_err(|e| wbad(e.to_string()))?;

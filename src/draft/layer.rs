@@ -111,10 +111,24 @@ impl DraftArch {
     }
 }
 
-/// EAGLE-3's default feature layers for a target of `n` layers: what vLLM and llama.cpp take
-/// when a checkpoint names none (inputs of layers 2, n/2 and n-3).
+/// EAGLE-3's default feature layers for a target of `n` layers: what vLLM, SGLang and
+/// llama.cpp take when a checkpoint names none (inputs of layers 2, n/2 and n-3; three distinct
+/// layers from 7 layers on; shallower targets must name theirs).
 pub fn eagle3_default_layers(n: usize) -> Vec<usize> {
-    vec![2.min(n - 1), n / 2, n.saturating_sub(3)]
+    vec![2, n / 2, n.saturating_sub(3)]
+}
+
+/// Three distinct layers in ascending order, inside a target of `n` layers: what every runtime
+/// can capture (vLLM and SGLang collect a layer once, in layer order, so a repeated or unsorted
+/// list would fuse other columns than it was trained on).
+pub fn check_feature_layers(layers: &[usize], n: usize) -> std::result::Result<(), String> {
+    if layers.len() != 3 || !layers.windows(2).all(|w| w[0] < w[1]) || layers[2] >= n {
+        return Err(format!(
+            "EAGLE-3 reads three distinct target layers in ascending order below {n}; got {layers:?}{}",
+            if n < 7 { " (a target this shallow has no default: name them with --feature-layers)" } else { "" }
+        ));
+    }
+    Ok(())
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -154,13 +168,9 @@ impl DraftLayerConfig {
         Ok(DraftLayerConfig { layer, arch: DraftArch::Eagle, target: target.fingerprint()?, recipe: serde_json::Value::Null })
     }
 
-    /// An EAGLE-3 layer for `target` reading the inputs of its `layers` (three, in the model).
+    /// An EAGLE-3 layer for `target` reading the inputs of its `layers` ([`check_feature_layers`]).
     pub fn for_target_eagle3(target: &Target, draft_vocab: usize, layers: &[usize]) -> Result<Self> {
-        let n = target.model.config().num_layers;
-        // Three, as llama.cpp requires; repeats are allowed (a shallow model has few layers).
-        if layers.len() != 3 || layers.iter().any(|&l| l >= n) {
-            return Err(Error::InvalidArgument(format!("EAGLE-3 reads three of the target's layers 0..{n}; got {layers:?}")));
-        }
+        check_feature_layers(layers, target.model.config().num_layers).map_err(Error::InvalidArgument)?;
         let mut cfg = Self::for_target(target, draft_vocab)?;
         cfg.layer.eagle3_input = true;
         cfg.arch = DraftArch::Eagle3 { layers: layers.to_vec() };
@@ -280,8 +290,9 @@ impl DraftLayer {
             ));
         }
         if let DraftArch::Eagle3 { layers } = &cfg.arch {
-            if layers.len() != 3 || layers.iter().any(|&l| l >= mc.num_layers) || !cfg.layer.eagle3_input {
-                return Err(Error::bad_file(&cfg_path, format!("an EAGLE-3 layer reads three of the target's {} layers; this one names {layers:?}", mc.num_layers)));
+            check_feature_layers(layers, mc.num_layers).map_err(|e| Error::bad_file(&cfg_path, e))?;
+            if !cfg.layer.eagle3_input {
+                return Err(Error::bad_file(&cfg_path, "an EAGLE-3 layer configured without EAGLE-3's input"));
             }
         } else if cfg.layer.eagle3_input {
             return Err(Error::bad_file(&cfg_path, "an EAGLE layer configured with EAGLE-3's input"));

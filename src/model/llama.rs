@@ -958,7 +958,7 @@ impl Llama {
                 (Some((rope, firsts)), true) => (rope, Some(firsts.as_slice())),
                 _ => (&global, None),
             };
-            if let Some(k) = self.taps.iter().position(|&l| l == i) {
+            for (k, _) in self.taps.iter().enumerate().filter(|(_, &l)| l == i) {
                 taps[k] = Some(x.clone());
             }
             let h = match (&b.hidden_norm, side) {

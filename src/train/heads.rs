@@ -144,8 +144,8 @@ impl TrainConfig {
         if self.eagle3 && self.feature_weight > 0.0 {
             return bad("--feature-weight regresses EAGLE's final features; an EAGLE-3 layer predicts no target feature (its output is its own), so it trains on tokens only");
         }
-        if !self.feature_layers.is_empty() && self.feature_layers.len() != 3 {
-            return bad("--feature-layers takes three layers: a low, a middle and a high one");
+        if !self.feature_layers.is_empty() && (self.feature_layers.len() != 3 || !self.feature_layers.windows(2).all(|w| w[0] < w[1])) {
+            return bad("--feature-layers takes three distinct layers in ascending order: a low, a middle and a high one");
         }
         if self.own_lm_head && self.draft_vocab > 0 {
             return bad("--own-lm-head needs the full vocabulary: add --draft-vocab 0");
@@ -187,29 +187,42 @@ pub const TREE_WIDTHS: [usize; 4] = [3, 2, 1, 1];
 /// An acceptance-length estimate during training (EAGLE-3 reports one): for every held-out
 /// position, the rank of the target's own next tokens among the drafter's guesses level by
 /// level, each level drafted along the true tokens above it. Along the target's greedy path
-/// that is exactly what verification sees: a chain accepts levels while the truth is each
-/// level's first guess, a tree while it is within that level's width. τ = 1 + the mean run of
-/// accepted levels (a level not scored ends the run, so ends of answers count a little low).
+/// (the corpus is the target's own answers) that is what verification sees: a chain accepts
+/// levels while the truth is each level's first guess, a tree while it is within that level's
+/// width. Decoding is then walked through each chunk as it would run: a step at position p
+/// accepts a run of r levels, emits r + 1 tokens and moves to p + r + 1, so easy stretches
+/// count once per step, not once per position. τ = tokens emitted / steps; a level that is not
+/// scored (past an answer's end) ends a run.
 #[derive(Debug, Default)]
 pub struct TauEstimate {
-    /// Per position, per level: the truth's rank among the top 5 (None: not among them, or
-    /// the level is not scored).
-    ranks: Vec<Vec<Option<usize>>>,
+    /// Per chunk, per position: the truth's rank among the top 5 at each level (None: not
+    /// among them, or not scored), or None where no step starts (not an answer position).
+    chunks: Vec<Vec<Option<Vec<Option<usize>>>>>,
 }
 
 impl TauEstimate {
-    /// One held-out position's ranks, level by level.
-    pub fn push(&mut self, ranks: Vec<Option<usize>>) {
-        self.ranks.push(ranks);
+    /// One held-out chunk's positions in order.
+    pub fn push_chunk(&mut self, positions: Vec<Option<Vec<Option<usize>>>>) {
+        self.chunks.push(positions);
     }
 
-    /// τ for per-level widths `widths` (1s: a chain).
+    /// τ for per-level widths `widths` (1s: a chain); 0 without any step.
     pub fn tau(&self, widths: &[usize]) -> f64 {
-        if self.ranks.is_empty() {
-            return 0.0;
+        let (mut emitted, mut steps) = (0usize, 0usize);
+        for chunk in &self.chunks {
+            let mut p = 0;
+            while p < chunk.len() {
+                let Some(ranks) = &chunk[p] else {
+                    p += 1;
+                    continue;
+                };
+                let run = ranks.iter().zip(widths).take_while(|(x, &w)| x.is_some_and(|k| k < w)).count();
+                emitted += run + 1;
+                steps += 1;
+                p += run + 1;
+            }
         }
-        let run = |r: &Vec<Option<usize>>| r.iter().zip(widths).take_while(|(x, &w)| x.is_some_and(|k| k < w)).count();
-        1.0 + self.ranks.iter().map(run).sum::<usize>() as f64 / self.ranks.len() as f64
+        if steps == 0 { 0.0 } else { emitted as f64 / steps as f64 }
     }
 
     /// (chain τ, tree τ) over the levels recorded.
@@ -620,11 +633,7 @@ pub fn validate(heads: &Heads, target: &Target, chunks: &[Example]) -> Result<He
                 }
             }
         }
-        for (t, r) in ranks.into_iter().enumerate() {
-            if scored.get(t + 2).copied().unwrap_or(false) {
-                tau.push(r);
-            }
-        }
+        tau.push_chunk(ranks.into_iter().enumerate().map(|(t, r)| scored.get(t + 2).copied().unwrap_or(false).then_some(r)).collect());
     }
     let frac = |a: &[usize]| a.iter().zip(&counts).map(|(&x, &c)| x as f64 / c.max(1) as f64).collect();
     let (tau_chain, tau_tree) = tau.both();
@@ -998,18 +1007,26 @@ mod tests {
     use super::*;
 
     #[test]
-    fn tau_estimate_counts_runs_of_accepted_levels() {
+    fn tau_estimate_walks_steps_as_decoding_does() {
         let mut t = TauEstimate::default();
-        // Levels 1-2 right at the first guess, level 3's truth the second guess: a chain and
-        // the tree (widths 3, 2, 1, 1) both accept 2.
-        t.push(vec![Some(0), Some(0), Some(1), Some(0)]);
-        // Level 1's truth is the second guess: the chain accepts none, the tree 4.
-        t.push(vec![Some(1), Some(0), Some(0), Some(0)]);
-        // Nothing right.
-        t.push(vec![None, Some(0), Some(0), Some(0)]);
+        let r = |v: &[Option<usize>]| Some(v.to_vec());
+        // Position 0: levels 1-2 right at the first guess, level 3's truth second: the chain
+        // and the tree (widths 3, 2, 1, 1) accept 2 and land on position 3. There: level 1's
+        // truth is the second guess: the chain accepts nothing (next: position 4), the tree
+        // all 4 (past the end). Position 4: nothing right. Positions 1 and 2 are never a
+        // step's start; position 5 is not an answer position.
+        t.push_chunk(vec![
+            r(&[Some(0), Some(0), Some(1), Some(0)]),
+            r(&[Some(0), Some(0), Some(0), Some(0)]),
+            r(&[Some(0), Some(0), Some(0), Some(0)]),
+            r(&[Some(1), Some(0), Some(0), Some(0)]),
+            r(&[None, Some(0), Some(0), Some(0)]),
+            None,
+        ]);
         let (chain, tree) = t.both();
-        assert!((chain - (1.0 + 2.0 / 3.0)).abs() < 1e-12, "{chain}");
-        assert!((tree - (1.0 + 6.0 / 3.0)).abs() < 1e-12, "{tree}");
+        // Chain: steps at 0 (3 tokens), 3 (1), 4 (1): 5 / 3. Tree: steps at 0 (3), 3 (5): 8 / 2.
+        assert!((chain - 5.0 / 3.0).abs() < 1e-12, "{chain}");
+        assert!((tree - 4.0).abs() < 1e-12, "{tree}");
         assert_eq!(TauEstimate::default().both(), (0.0, 0.0));
     }
 

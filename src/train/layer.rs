@@ -129,11 +129,7 @@ pub fn validate_layer(layer: &TrainLayer, ids: &[u32], target: &Target, chunks: 
         }
         // Level s of row r drafts along the true tokens above it: the run of levels whose truth
         // ranks within reach is what verification would accept.
-        for (r, rk) in ranks.into_iter().enumerate() {
-            if scored_at(ex, r + 2) {
-                tau.push(rk);
-            }
-        }
+        tau.push_chunk(ranks.into_iter().enumerate().map(|(r, rk)| scored_at(ex, r + 2).then_some(rk)).collect());
     }
     let frac = |a: &[usize]| a.iter().zip(&counts).map(|(&x, &c)| x as f64 / c.max(1) as f64).collect();
     let (tau_chain, tau_tree) = tau.both();

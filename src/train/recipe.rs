@@ -31,7 +31,13 @@ pub struct TrainRun<'a> {
 /// to `run.out` in f32 with its recipe, and write `report.json` there (atomically).
 pub fn train_drafter(target: &mut Target, docs: &[Document], cfg: &TrainConfig, run: &TrainRun, progress: Progress, log: &mut dyn FnMut(String)) -> Result<(Drafter, TrainReport, serde_json::Value)> {
     let t0 = Instant::now();
-    // An EAGLE-3 run reads tapped layers from every forward of the target.
+    // An EAGLE-3 run reads tapped layers from every forward of the target: the ones named, or
+    // those of the layer it starts from (--init), or the default ones.
+    let mut cfg = cfg.clone();
+    if let (true, true, Some(init)) = (cfg.eagle3, cfg.feature_layers.is_empty(), &cfg.init) {
+        cfg.feature_layers = crate::draft::drafter::load_layer(init, target)?.feature_layers().to_vec();
+    }
+    let cfg = &cfg;
     target.model.set_feature_layers(&cfg.feature_layers_for(target.model.config().num_layers))?;
     let target = &*target;
     let (trained, report) = if cfg.draft_layer {
