@@ -41,31 +41,8 @@ fn training_forward_matches_inference_forward() {
     let (train, ids) = random_layer(&t, 5);
     let layer = DraftLayer::from_tensors(train.tensors().unwrap(), ids, train.cfg.clone(), &t.model).unwrap();
     let toks: Vec<u32> = (0..24u32).map(|i| (i * 7 + 3) % t.model.config().vocab_size as u32).collect();
-    let h = selfspec::train::hidden_states(&t, &toks, None).unwrap();
-    let n = toks.len() - 1;
-    let feats = h.narrow(0, 0, n).unwrap();
     // Three steps of training-time test in one differentiable forward.
-    let embs: Vec<Tensor> = (0..3).map(|s| t.model.embed(&(0..n).map(|r| *toks.get(r + s + 1).unwrap_or(&0)).collect::<Vec<_>>()).unwrap()).collect();
-    let preds = train.forward_unrolled(&feats, &embs).unwrap();
-    // Step 0 = the causal forward over the real pairs.
-    let mut cache = layer.new_cache().unwrap();
-    let out = layer.forward(&feats, &toks[1..], &(0..n).collect::<Vec<_>>(), &TreeMask::causal(n), &mut cache, &t.model).unwrap();
-    let d0 = max_diff(&to_vec(&out), &to_vec(&preds[0]));
-    assert!(d0 < 1e-3, "step 0 differs by {d0}");
-    // Steps 1 and 2 = drafting a chain at inference from anchor a: the real pairs 0..=a in the
-    // cache, then each predicted feature with the next true token.
-    for a in [0usize, 5, 17] {
-        let mut c = layer.new_cache().unwrap();
-        let mut f = layer.forward(&h.narrow(0, 0, a + 1).unwrap(), &toks[1..a + 2], &(0..a + 1).collect::<Vec<_>>(), &TreeMask::causal(a + 1), &mut c, &t.model).unwrap().narrow(0, a, 1).unwrap();
-        for s in 1..3 {
-            f = layer.forward(&f, &[toks[a + s + 1]], &[a + s], &TreeMask::causal(1), &mut c, &t.model).unwrap();
-            let want = preds[s].narrow(0, a, 1).unwrap();
-            let d = max_diff(&to_vec(&f), &to_vec(&want));
-            // The inference cache holds K/V in f16 (relative rounding 2^-11), the training
-            // forward keeps them in f32.
-            assert!(d < 1e-3, "anchor {a}, step {s}: differs by {d}");
-        }
-    }
+    check_layer_forwards_agree(&t, &train, &layer, &toks, 3);
 }
 
 #[test]

@@ -66,6 +66,27 @@ pub const CONFIG_FILE: &str = "heads.json";
 /// vLLM's Medusa weights file.
 pub const VLLM_MEDUSA_WEIGHTS: &str = "model.safetensors";
 
+/// Check a Medusa-format `config.json` (`c`, read from `cfg_path` in `dir`) against `target` as
+/// far as it records the base model: the sizes both Medusa formats have, and the fingerprint
+/// selfspec's exports add. Returns the target's fingerprint.
+fn check_medusa_base(c: &serde_json::Value, cfg_path: &Path, dir: &Path, target: &Target) -> Result<Fingerprint> {
+    let mcfg = target.model.config();
+    let here = target.fingerprint()?;
+    let mismatch = |recorded: String| Error::HeadsMismatch { heads: dir.to_path_buf(), heads_target: recorded, model_target: here.to_string() };
+    for (key, want) in [("hidden_size", mcfg.hidden_size), ("vocab_size", mcfg.vocab_size)] {
+        if let Some(v) = c[key].as_u64().filter(|&v| v as usize != want) {
+            return Err(mismatch(format!("a model with {key} {v}")));
+        }
+    }
+    if let Some(fp) = c.get("selfspec_target").filter(|v| !v.is_null()) {
+        let fp: Fingerprint = serde_json::from_value(fp.clone()).map_err(|e| Error::bad_file(cfg_path, format!("invalid selfspec_target: {e}")))?;
+        if fp != here {
+            return Err(mismatch(fp.to_string()));
+        }
+    }
+    Ok(here)
+}
+
 impl Heads {
     /// Build from a VarBuilder holding `heads.{k}.blocks.{l}.{weight,bias}` (and
     /// `heads.{k}.lm_head.weight` with an own lm_head). With a VarMap-backed builder whose
@@ -444,19 +465,9 @@ impl Heads {
         let get = |k: &str| c[k].as_u64().map(|v| v as usize).ok_or_else(|| Error::bad_file(&cfg_path, format!("missing '{k}'")));
         let (k_heads, layers) = (get("num_heads")?, get("num_hidden_layers")?);
         let mcfg = target.model.config();
-        let here = target.fingerprint()?;
-        let mismatch = |recorded: String| Error::HeadsMismatch { heads: dir.to_path_buf(), heads_target: recorded, model_target: here.to_string() };
-        for (key, want) in [("hidden_size", mcfg.hidden_size), ("vocab_size", mcfg.vocab_size)] {
-            if get(key)? != want {
-                return Err(mismatch(format!("a model with {key} {}", get(key)?)));
-            }
-        }
-        if let Some(fp) = c.get("selfspec_target").filter(|v| !v.is_null()) {
-            let fp: crate::model::loader::Fingerprint = serde_json::from_value(fp.clone()).map_err(|e| Error::bad_file(&cfg_path, format!("invalid selfspec_target: {e}")))?;
-            if fp != here {
-                return Err(mismatch(fp.to_string()));
-            }
-        }
+        get("hidden_size")?;
+        get("vocab_size")?;
+        let here = check_medusa_base(&c, &cfg_path, dir, target)?;
         if !(1..=64).contains(&k_heads) || layers > 16 {
             return Err(Error::bad_file(&cfg_path, format!("{k_heads} heads of {layers} layers: expected 1 to 64 heads of at most 16 layers")));
         }
@@ -536,22 +547,8 @@ impl Heads {
         let c: serde_json::Value = serde_json::from_str(&s).map_err(|e| Error::bad_file(&cfg_path, format!("invalid JSON: {e}")))?;
         let get = |k: &str| c[k].as_u64().map(|v| v as usize).ok_or_else(|| Error::bad_file(&cfg_path, format!("missing '{k}'")));
         let (k_heads, layers) = (get("medusa_num_heads")?, get("medusa_num_layers")?);
-        // Check the base model as far as the config records it: the sizes Medusa's config has,
-        // and the fingerprint selfspec's export adds.
         let mcfg = target.model.config();
-        let here = target.fingerprint()?;
-        let mismatch = |recorded: String| Error::HeadsMismatch { heads: dir.to_path_buf(), heads_target: recorded, model_target: here.to_string() };
-        for (key, want) in [("hidden_size", mcfg.hidden_size), ("vocab_size", mcfg.vocab_size)] {
-            if let Some(v) = c[key].as_u64().filter(|&v| v as usize != want) {
-                return Err(mismatch(format!("a model with {key} {v}")));
-            }
-        }
-        if let Some(fp) = c.get("selfspec_target").filter(|v| !v.is_null()) {
-            let fp: crate::model::loader::Fingerprint = serde_json::from_value(fp.clone()).map_err(|e| Error::bad_file(&cfg_path, format!("invalid selfspec_target: {e}")))?;
-            if fp != here {
-                return Err(mismatch(fp.to_string()));
-            }
-        }
+        let here = check_medusa_base(&c, &cfg_path, dir, target)?;
         if k_heads == 0 || layers > 16 || k_heads > 64 {
             return Err(Error::bad_file(&cfg_path, format!("{k_heads} heads of {layers} layers: expected 1 to 64 heads of at most 16 layers")));
         }
@@ -588,7 +585,7 @@ impl Heads {
             hidden_size: mcfg.hidden_size,
             vocab_size: mcfg.vocab_size,
             own_lm_head: own,
-            target: target.fingerprint()?,
+            target: here,
             draft_vocab_size: None,
             token_aware: false,
             recipe: serde_json::json!({"imported_from": dir.display().to_string()}),

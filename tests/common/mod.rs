@@ -133,3 +133,32 @@ pub fn corpus() -> Vec<selfspec::data::Document> {
         })
         .collect()
 }
+
+/// A draft layer's training forward (differentiable ops, `steps` steps of training-time test)
+/// against its inference forward on `toks`: step 0 is the causal forward over the real pairs,
+/// step s a chain drafted at inference from anchors 0, 9 and 17 (its own predictions fed back).
+/// Returns the predictions, for further checks.
+pub fn check_layer_forwards_agree(t: &Target, train: &selfspec::draft::layer::TrainLayer, layer: &selfspec::draft::layer::DraftLayer, toks: &[u32], steps: usize) -> Vec<candle_core::Tensor> {
+    let v = |x: &candle_core::Tensor| -> Vec<f32> { x.flatten_all().unwrap().to_vec1().unwrap() };
+    let h = selfspec::train::hidden_states(t, toks, None).unwrap();
+    let n = toks.len() - 1;
+    let feats = h.narrow(0, 0, n).unwrap();
+    let embs: Vec<candle_core::Tensor> = (0..steps).map(|s| t.model.embed(&(0..n).map(|r| *toks.get(r + s + 1).unwrap_or(&0)).collect::<Vec<_>>()).unwrap()).collect();
+    let preds = train.forward_unrolled(&feats, &embs).unwrap();
+    let mut cache = layer.new_cache().unwrap();
+    let out = layer.forward(&feats, &toks[1..], &(0..n).collect::<Vec<_>>(), &TreeMask::causal(n), &mut cache, &t.model).unwrap();
+    let d0 = max_diff(&v(&out), &v(&preds[0]));
+    assert!(d0 < 1e-3, "step 0 differs by {d0}");
+    for a in [0usize, 9, 17].into_iter().filter(|&a| a + steps < n) {
+        let mut c = layer.new_cache().unwrap();
+        let mut f = layer.forward(&h.narrow(0, 0, a + 1).unwrap(), &toks[1..a + 2], &(0..a + 1).collect::<Vec<_>>(), &TreeMask::causal(a + 1), &mut c, &t.model).unwrap().narrow(0, a, 1).unwrap();
+        for s in 1..steps {
+            f = layer.forward(&f, &[toks[a + s + 1]], &[a + s], &TreeMask::causal(1), &mut c, &t.model).unwrap();
+            let d = max_diff(&v(&f), &v(&preds[s].narrow(0, a, 1).unwrap()));
+            // The inference cache holds K/V in f16 (relative rounding 2^-11), the training
+            // forward keeps them in f32.
+            assert!(d < 1e-3, "anchor {a}, step {s}: differs by {d}");
+        }
+    }
+    preds
+}
