@@ -3,7 +3,7 @@
 //! `config.json` (`LlamaForCausalLMEagle3`, one hidden layer, `draft_vocab_size`, the feature
 //! layers, `target_hidden_size`) and a `model.safetensors` holding `fc`, the `midlayer.*` decoder
 //! layer with its `hidden_norm`, `norm`, `lm_head` over the draft vocabulary, and the vocabulary
-//! maps `d2t` (draft slot → target id offset: id = slot + d2t[slot]) and `t2d` (per target id:
+//! maps `d2t` (draft slot → target id offset: `id = slot + d2t[slot]`) and `t2d` (per target id:
 //! in the draft vocabulary or not).
 //!
 //! Feature layers are named as vLLM and llama.cpp read them: layer i's *input*, the residual
