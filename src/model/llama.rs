@@ -848,7 +848,7 @@ impl Llama {
 
     /// The final norm of the last block's output, then the tapped layers' inputs beside it.
     fn features(&self, x: &Tensor, taps: Vec<Tensor>) -> Result<Tensor> {
-        let last = rms_norm(&self.norm, x)?;
+        let last = self.final_norm(x)?;
         if taps.is_empty() {
             return Ok(last);
         }
@@ -889,7 +889,7 @@ impl Llama {
             return Err(Error::InvalidArgument("an EAGLE-3 layer takes features and tokens apart (forward_fused_after)".into()));
         }
         let (x, _) = self.run_blocks_multi(x.clone(), None, &mut [Segment { positions, mask, tail, cache }])?;
-        rms_norm(&self.norm, &x)
+        self.final_norm(&x)
     }
 
     /// An EAGLE-3 layer's forward ([`Config::eagle3_input`]): features `g [T, hidden]` and the
