@@ -156,6 +156,17 @@ fn layer_training_learns_resumes_and_round_trips() {
     assert_eq!(p.steps, n / 2);
     let (resumed, _) = run(&t, &quick_cfg(), &part, true);
     assert_eq!(saved(&full, &scratch("layer-w-full")), saved(&resumed, &scratch("layer-w-resumed")), "resumed weights differ");
+    // Resuming with another number of gradient groups would change the sums: refused.
+    let e = train_layer(&t, &corpus(), &TrainConfig { grad_groups: 1, ..quick_cfg() }, &part, true, None, &mut |_, _, _, _, _| {}, &mut |_| {}).err().expect("other groups resume");
+    assert!(e.to_string().contains("other training settings"), "{e}");
+
+    // The groups are a split of the same batch: one pass gives the same losses up to rounding.
+    assert_eq!(quick_cfg().grad_groups, 2);
+    let (_, one) = run(&t, &TrainConfig { grad_groups: 1, ..quick_cfg() }, &scratch("layer-train-one-group"), false);
+    assert_eq!(one.losses.len(), n);
+    for (a, b) in one.losses.iter().zip(&rep.losses) {
+        assert!((a - b).abs() <= 1e-3 * a.abs().max(1.0), "one group {:?} vs two {:?}", one.losses, rep.losses);
+    }
 
     // Files round-trip to the same drafts, through the directory loader that picks the kind.
     let dir = scratch("layer-train-out");

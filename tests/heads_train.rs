@@ -95,6 +95,13 @@ fn loss_decreases_and_backbone_is_frozen() {
         let first: f64 = rep.losses[..3].iter().sum::<f64>() / 3.0;
         let last: f64 = rep.losses[n - 3..].iter().sum::<f64>() / 3.0;
         assert!(last < first * 0.9, "{loss:?}: loss {first} -> {last}");
+        // Gradients in groups (the default two) or in one pass: the same losses up to rounding
+        // (each group's heads are normalised by the whole batch's valid rows).
+        assert_eq!(cfg.grad_groups, 2);
+        let (_, one) = run(&t, &TrainConfig { grad_groups: 1, ..cfg }, &scratch(&format!("train-loss-{loss:?}-one")), false);
+        for (a, b) in one.losses.iter().zip(&rep.losses) {
+            assert!((a - b).abs() <= 1e-3 * a.abs().max(1.0), "{loss:?}: one group {:?} vs two {:?}", one.losses, rep.losses);
+        }
     }
     let after: Vec<f32> = t.model.lm_head().weight().unwrap().flatten_all().unwrap().to_vec1().unwrap();
     assert_eq!(before, after, "the backbone changed during training");

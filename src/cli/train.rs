@@ -98,6 +98,11 @@ pub struct TrainArgs {
     /// kept) instead of fresh weights: fine-tune on new data, or train more epochs.
     #[arg(long)]
     init: Option<PathBuf>,
+    /// Split each batch into N groups whose gradients are computed side by side, one thread
+    /// each, and summed. The numbers depend on N (not on the thread count), so resume with the
+    /// same N; 1 is the single-pass training of earlier versions.
+    #[arg(long, default_value_t = 2)]
+    grad_groups: usize,
 }
 
 impl TrainArgs {
@@ -127,11 +132,15 @@ impl TrainArgs {
             eagle3: self.eagle3,
             feature_layers: self.feature_layers.clone(),
             init: self.init.clone(),
+            grad_groups: self.grad_groups,
         }
     }
 }
 
 pub fn run(a: TrainArgs) -> Result<()> {
+    // Before any candle op and while this process has no other thread: the gradient groups
+    // run side by side, and candle's own element-wise pool would only queue them behind its lock.
+    selfspec::train::parallel::single_threaded_candle_ops();
     let cfg = a.config();
     cfg.validate()?;
     if !a.validate_only {

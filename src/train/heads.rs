@@ -74,7 +74,15 @@ pub struct TrainConfig {
     /// instead of fresh weights: fine-tuning on new data, or more epochs with a new schedule.
     #[serde(default)]
     pub init: Option<std::path::PathBuf>,
+    /// Each batch is split into this many groups whose gradients are computed side by side
+    /// and summed ([`crate::train::parallel`]). The numbers depend on it, not on the number of
+    /// threads; checkpoints that lack it were made with one group.
+    #[serde(default = "one")]
+    pub grad_groups: usize,
 }
+
+/// More groups than this would leave most of a batch's groups a chunk or less.
+pub const MAX_GRAD_GROUPS: usize = 64;
 
 fn one() -> usize {
     1
@@ -107,6 +115,7 @@ impl Default for TrainConfig {
             eagle3: false,
             feature_layers: Vec::new(),
             init: None,
+            grad_groups: 2,
         }
     }
 }
@@ -149,6 +158,9 @@ impl TrainConfig {
         }
         if self.own_lm_head && self.draft_vocab > 0 {
             return bad("--own-lm-head needs the full vocabulary: add --draft-vocab 0");
+        }
+        if !(1..=MAX_GRAD_GROUPS).contains(&self.grad_groups) {
+            return Err(Error::InvalidArgument(format!("--grad-groups must be in 1..={MAX_GRAD_GROUPS}")));
         }
         Ok(())
     }
@@ -533,7 +545,9 @@ fn make_batch(
     Ok(Batch { h, root, hard: if loss == LossKind::Hard { Some(hard) } else { None }, soft_rows, valid })
 }
 
-fn batch_loss(heads: &Heads, lm: &Tensor, b: &Batch, decay: f64) -> Result<(Tensor, Vec<(usize, usize)>)> {
+/// The loss of one batch (or one group of it): per head the mean over `norm[k]` rows (the whole
+/// batch's valid rows, so that the groups' losses sum to the batch's), weighted `decay^k`.
+fn batch_loss(heads: &Heads, lm: &Tensor, b: &Batch, decay: f64, norm: &[f32]) -> Result<(Tensor, Vec<(usize, usize)>)> {
     // Soft targets and logits live in the draft vocabulary when there is one.
     let proj = heads.projection(0, lm);
     let logits = heads.train_logits(&b.h, b.root.as_ref(), lm)?; // [K, B, V]
@@ -550,7 +564,7 @@ fn batch_loss(heads: &Heads, lm: &Tensor, b: &Batch, decay: f64) -> Result<(Tens
     };
     for k in 0..k_heads {
         let mask: Vec<f32> = b.valid[k].iter().map(|&v| v as u8 as f32).collect();
-        let n_valid = mask.iter().sum::<f32>().max(1.0);
+        let n_valid = mask.iter().sum::<f32>();
         let mask_t = Tensor::from_vec(mask, rows, dev)?;
         let lp = logp.get(k)?;
         let (per_row, truth): (Tensor, Vec<u32>) = match (&b.hard, &soft_probs, &b.soft_rows) {
@@ -567,7 +581,7 @@ fn batch_loss(heads: &Heads, lm: &Tensor, b: &Batch, decay: f64) -> Result<(Tens
             }
             _ => unreachable!("a batch has hard or soft labels"),
         };
-        let l = ((per_row * &mask_t)?.sum_all()? / n_valid as f64)?;
+        let l = ((per_row * &mask_t)?.sum_all()? / norm[k].max(1.0) as f64)?;
         let hits = (0..rows).filter(|&r| b.valid[k][r] && argmax[k][r] == truth[r]).count();
         acc.push((hits, n_valid as usize));
         let w = decay.powi(k as i32);
@@ -845,6 +859,8 @@ pub fn train(
     let mut losses = if resume { resume_from(out, cfg, &data, &mut opt, &device, total_steps, log)? } else { Vec::new() };
 
     let embed = |t: &[u32]| target.model.embed(t);
+    let runner = crate::train::parallel::GroupRunner::new(cfg.grad_groups)?;
+    let vars: Vec<Tensor> = varmap.all_vars().iter().map(|v| v.as_tensor().clone()).collect();
     let done = run_steps(
         StepsSetup { cfg, out, data: &data, train_set: &train_set, per_epoch, total_steps, batches_for_epoch: &batches_for_epoch, val_levels: "" },
         &mut opt,
@@ -852,8 +868,11 @@ pub fn train(
         progress,
         log,
         &mut |ids| {
-            let b = make_batch(&train_set, ids, k_heads, cfg.loss, &slot, if cfg.token_aware { Some(&embed) } else { None })?;
-            batch_loss(&heads, &lm, &b, cfg.decay)
+            let groups = crate::train::parallel::split_groups(ids, cfg.grad_groups);
+            let batches =
+                groups.iter().map(|g| make_batch(&train_set, g, k_heads, cfg.loss, &slot, if cfg.token_aware { Some(&embed) } else { None })).collect::<Result<Vec<_>>>()?;
+            let norm: Vec<f32> = (0..k_heads).map(|k| batches.iter().map(|b| b.valid[k].iter().filter(|&&v| v).count()).sum::<usize>() as f32).collect();
+            runner.grads(batches, &vars, &|b| batch_loss(&heads, &lm, &b, cfg.decay, &norm))
         },
         &mut || if val_set.is_empty() { Ok(None) } else { validate(&heads, target, &val_set).map(Some) },
     )?;
@@ -909,7 +928,7 @@ pub(crate) struct StepsDone {
 /// The optimisation loop the heads and the draft layer share: from the optimizer's step counter
 /// (0, or where a resumed checkpoint stopped) through the batches in epoch order, with the
 /// cosine schedule, running accuracy and progress, atomic checkpoints, and a validation line at
-/// each epoch's end. `batch_loss` returns a batch's loss and per-output (hits, rows);
+/// each epoch's end. `batch_grads` returns a batch's loss, gradients and per-output (hits, rows);
 /// `validate` the held-out accuracy, if there is held-out data.
 #[allow(clippy::type_complexity)]
 pub(crate) fn run_steps(
@@ -918,7 +937,7 @@ pub(crate) fn run_steps(
     losses: &mut Vec<f64>,
     progress: Progress,
     log: &mut dyn FnMut(String),
-    batch_loss: &mut dyn FnMut(&[usize]) -> Result<(Tensor, Vec<(usize, usize)>)>,
+    batch_grads: &mut dyn FnMut(&[usize]) -> Result<crate::train::parallel::BatchGrads>,
     validate: &mut dyn FnMut() -> Result<Option<HeadAccuracy>>,
 ) -> Result<StepsDone> {
     let StepsSetup { cfg, out, data, train_set, per_epoch, total_steps, batches_for_epoch, val_levels } = setup;
@@ -930,11 +949,9 @@ pub(crate) fn run_steps(
     while step < total_steps && !(cfg.max_steps > 0 && step >= cfg.max_steps) {
         let batches = batches_for_epoch(step / per_epoch);
         let ids = &batches[step % per_epoch];
-        let (loss, acc) = batch_loss(ids)?;
-        let grads = loss.backward()?;
+        let crate::train::parallel::BatchGrads { loss: lv, grads, acc } = batch_grads(ids)?;
         opt.step(&grads, learning_rate(step, total_steps, cfg.warmup_steps, cfg.lr), cfg.grad_clip)?;
         step = opt.step;
-        let lv = loss.to_scalar::<f32>()? as f64;
         losses.push(lv);
         tokens_seen += ids.iter().map(|&i| train_set[i].tokens().len()).sum::<usize>();
         running.resize(acc.len(), 0.0);

@@ -13,6 +13,7 @@ use candle_nn::VarMap;
 use crate::draft::layer::{DraftLayer, DraftLayerConfig, TrainLayer};
 use crate::model::loader::Target;
 use crate::data::Document;
+use crate::train::parallel::{split_groups, GroupRunner};
 use crate::train::{epoch_batches, frequent_tokens, prepare, resume_from, run_steps, AdamW, Example, HeadAccuracy, Prepared, Progress, StepsSetup, TrainConfig, TrainReport};
 use crate::{Error, Result};
 
@@ -200,6 +201,8 @@ pub fn train_layer(
     let data = crate::train::heads::data_fingerprint(docs);
     let mut losses = if resume { resume_from(out, cfg, &data, &mut opt, &device, total_steps, log)? } else { Vec::new() };
 
+    let runner = GroupRunner::new(cfg.grad_groups)?;
+    let vars: Vec<Tensor> = varmap.all_vars().iter().map(|v| v.as_tensor().clone()).collect();
     let done = run_steps(
         StepsSetup { cfg, out, data: &data, train_set: &train_set, per_epoch, total_steps, batches_for_epoch: &batches_for_epoch, val_levels: LEVELS_NOTE },
         &mut opt,
@@ -207,19 +210,23 @@ pub fn train_layer(
         progress,
         log,
         &mut |batch| {
-            let mut loss: Option<Tensor> = None;
-            let (mut hits, mut rows) = (0, 0);
-            for &i in batch {
-                let (l, (a, b)) = chunk_loss(&layer, target, &train_set[i], cfg)?;
-                hits += a;
-                rows += b;
-                loss = Some(match loss {
-                    None => l,
-                    Some(x) => (x + l)?,
-                });
-            }
-            let loss = (loss.ok_or_else(|| Error::InvalidArgument("an empty batch".into()))? / batch.len() as f64)?;
-            Ok((loss, vec![(hits, rows)]))
+            let whole = batch.len() as f64;
+            runner.grads(split_groups(batch, cfg.grad_groups), &vars, &|group: Vec<usize>| {
+                let mut loss: Option<Tensor> = None;
+                let (mut hits, mut rows) = (0, 0);
+                for i in group {
+                    let (l, (a, b)) = chunk_loss(&layer, target, &train_set[i], cfg)?;
+                    hits += a;
+                    rows += b;
+                    loss = Some(match loss {
+                        None => l,
+                        Some(x) => (x + l)?,
+                    });
+                }
+                // A share of the batch's mean, so that the groups sum to it.
+                let loss = (loss.ok_or_else(|| Error::InvalidArgument("an empty group".into()))? / whole)?;
+                Ok((loss, vec![(hits, rows)]))
+            })
         },
         &mut || if val_set.is_empty() { Ok(None) } else { validate_layer(&layer, &ids, target, &val_set).map(Some) },
     )?;
