@@ -62,20 +62,20 @@ impl GroupRunner {
         if groups.is_empty() {
             return Err(Error::InvalidArgument("an empty batch".into()));
         }
-        let parts: Vec<Result<(f64, GradStore, Vec<(usize, usize)>)>> = self.pool.install(|| {
+        let parts: Vec<Result<BatchGrads>> = self.pool.install(|| {
             groups
                 .into_par_iter()
                 .map(|g| {
                     let (loss, acc) = loss_of(g)?;
                     let grads = loss.backward()?;
-                    Ok((loss.to_scalar::<f32>()? as f64, grads, acc))
+                    Ok(BatchGrads { loss: loss.to_scalar::<f32>()? as f64, grads, acc })
                 })
                 .collect()
         });
         let mut parts = parts.into_iter();
-        let (mut loss, mut grads, mut acc) = parts.next().expect("at least one group")?;
+        let BatchGrads { mut loss, mut grads, mut acc } = parts.next().expect("at least one group")?;
         for part in parts {
-            let (l, mut g, a) = part?;
+            let BatchGrads { loss: l, grads: mut g, acc: a } = part?;
             loss += l;
             for var in vars {
                 match (grads.remove(var), g.remove(var)) {
