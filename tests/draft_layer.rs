@@ -160,6 +160,12 @@ fn layer_training_learns_resumes_and_round_trips() {
     let e = train_layer(&t, &corpus(), &TrainConfig { grad_groups: 1, ..quick_cfg() }, &part, true, None, &mut |_, _, _, _, _| {}, &mut |_| {}).err().expect("other groups resume");
     assert!(e.to_string().contains("other training settings"), "{e}");
 
+    // States kept in the disk cache and read per batch: the very same run.
+    let cache = scratch("layer-train-states");
+    let (_, cached) = train_layer(&t, &corpus(), &quick_cfg(), &scratch("layer-train-cached"), false, Some(cache.as_path()), &mut |_, _, _, _, _| {}, &mut |_| {}).unwrap();
+    assert_eq!(cached.losses, rep.losses);
+    assert!(std::fs::read_dir(&cache).unwrap().count() > 0, "no states were cached");
+
     // The groups are a split of the same batch: one pass gives the same losses up to rounding.
     assert_eq!(quick_cfg().grad_groups, 2);
     let (_, one) = run(&t, &TrainConfig { grad_groups: 1, ..quick_cfg() }, &scratch("layer-train-one-group"), false);
@@ -208,6 +214,26 @@ fn layer_training_learns_resumes_and_round_trips() {
             assert!((pa.1 - pb.1).abs() < 0.02, "q8 drafts drift: {ra:?} vs {rb:?}");
         }
     }
+    // 4-bit storage: the very blocks the drafter loader drafts from, so the same drafts as the
+    // f32 file gives it, at under a fifth of its size.
+    let q4 = scratch("layer-train-q4");
+    full.save_as(&q4, StoreFormat::Q4).unwrap();
+    assert!(size(&q4) < 0.2 * size(&dir), "q4 file {} vs f32 {}", size(&q4), size(&dir));
+    let back4 = match Drafter::from_dir(&q4, &t).unwrap() {
+        Drafter::Layer(l) => l,
+        Drafter::Heads(_) => panic!("a draft.json directory must load as a layer"),
+    };
+    assert_eq!(back4.top_k(&x, 5).unwrap(), back.top_k(&x, 5).unwrap());
+    assert_eq!(draft(&back4), draft(&back));
+    assert_eq!(back4.draft_vocab(), full.draft_vocab());
+    let mut ts: HashMap<String, Tensor> = candle_core::safetensors::load(q4.join("draft.safetensors"), &Device::Cpu).unwrap();
+    let name = ts.keys().find(|k| k.ends_with(".q4_1")).unwrap().clone();
+    let cut = ts[&name].narrow(1, 0, 19).unwrap();
+    ts.insert(name, cut);
+    candle_core::safetensors::save(&ts, q4.join("draft.safetensors")).unwrap();
+    let e = DraftLayer::from_dir(&q4, &t).err().unwrap().to_string();
+    assert!(e.contains("draft.safetensors") && e.contains("20-byte blocks"), "{e}");
+
     let mut ts: HashMap<String, Tensor> = candle_core::safetensors::load(q8.join("draft.safetensors"), &Device::Cpu).unwrap();
     let scale = ts.keys().find(|k| k.ends_with(".q8scale")).unwrap().clone();
     ts.remove(&scale);

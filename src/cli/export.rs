@@ -20,8 +20,9 @@ pub struct ExportArgs {
     /// medusa (FasterDecoding/Medusa layout, as TGI reads it; heads only), medusa-vllm
     /// (vLLM's Medusa layout; heads only), eagle3 (an EAGLE-3 layer as
     /// SpecForge/vLLM write it and llama.cpp converts it), f16 or f32 (selfspec heads or draft
-    /// layer), q8 (a draft layer in 8-bit blocks, a quarter of f32).
-    #[arg(long, default_value = "medusa", value_parser = ["medusa", "medusa-vllm", "eagle3", "f16", "f32", "q8"])]
+    /// layer), q8 (a draft layer in 8-bit blocks, a quarter of f32), q4 (a draft layer in the
+    /// 4-bit blocks native drafting reads, a sixth of f32).
+    #[arg(long, default_value = "medusa", value_parser = ["medusa", "medusa-vllm", "eagle3", "f16", "f32", "q8", "q4"])]
     format: String,
 }
 

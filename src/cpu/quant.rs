@@ -350,6 +350,15 @@ impl QuantRows {
         }
     }
 
+    /// The rows' blocks one after another, as a file stores them (for saving quantized weights).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.n * self.row_bytes());
+        for j in 0..self.n {
+            out.extend_from_slice(self.row(j));
+        }
+        out
+    }
+
     /// Dequantised f32 `[n, k]`, the reference the kernels are tested against.
     pub fn dequantize(&self) -> Vec<f32> {
         let nb = self.k / QK;

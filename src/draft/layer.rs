@@ -30,17 +30,25 @@ pub const LAYER_CONFIG_FILE: &str = "draft.json";
 
 /// How `save_as` stores the weights. Q8 keeps a committed layer at about a quarter of its f32
 /// size (blocks of 32 values, one f16 scale each, as GGUF's Q8_0); drafts need not be exact, so
-/// the rounding costs no correctness, only a hair of accuracy.
+/// the rounding costs no correctness, only a hair of accuracy. Q4 stores every matrix in the
+/// 4-bit blocks (Q4_1) a loaded drafter drafts from ([`crate::draft::drafter::DRAFTING_FORMAT`]),
+/// norms and biases in f32, at about a sixth of f32: the drafts are exactly those of the f32
+/// file (re-quantizing a Q4_1 block gives the same block), so it loses nothing but the weights
+/// a later run could warm-start from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StoreFormat {
     F32,
     F16,
     Q8,
+    Q4,
 }
 
 const Q8_BLOCK: usize = 32;
 const Q8_SUFFIX: &str = ".q8";
 const Q8_SCALE_SUFFIX: &str = ".q8scale";
+/// A matrix stored as its Q4_1 rows (20 bytes per 32 values: f16 scale, f16 offset, 16 bytes of
+/// codes), a U8 tensor `[rows, cols / 32 * 20]`.
+const Q4_SUFFIX: &str = ".q4_1";
 
 /// Matrices whose rows split into whole blocks, as (codes + 128 in u8, f16 scale per block).
 fn quantize_q8(t: &Tensor) -> Result<Option<(Tensor, Tensor)>> {
@@ -62,8 +70,37 @@ fn quantize_q8(t: &Tensor) -> Result<Option<(Tensor, Tensor)>> {
     Ok(Some((Tensor::from_vec(codes, (rows, cols), device)?, Tensor::from_vec(scales, (rows, cols / Q8_BLOCK), device)?)))
 }
 
-/// Turn stored Q8 pairs back into f32 tensors under their own names; other tensors pass through.
+/// A matrix's Q4_1 rows as a U8 tensor, or None when its rows do not split into whole blocks.
+fn quantize_q4(t: &Tensor) -> Result<Option<Tensor>> {
+    let (rows, cols) = match t.dims() {
+        &[r, c] if c % Q8_BLOCK == 0 => (r, c),
+        _ => return Ok(None),
+    };
+    let v: Vec<f32> = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+    let q = crate::cpu::quant::QuantRows::quantize_q4_1(&v, rows, cols)?;
+    let bytes = q.to_bytes();
+    let per_row = bytes.len() / rows.max(1);
+    Ok(Some(Tensor::from_vec(bytes, (rows, per_row), t.device())?))
+}
+
+/// Turn stored Q8 pairs and Q4_1 rows back into f32 tensors under their own names; other
+/// tensors pass through.
 fn dequantize_stored(mut ts: HashMap<String, Tensor>) -> std::result::Result<HashMap<String, Tensor>, String> {
+    let names: Vec<String> = ts.keys().filter_map(|k| k.strip_suffix(Q4_SUFFIX).map(str::to_string)).collect();
+    for n in names {
+        let q = ts.remove(&format!("{n}{Q4_SUFFIX}")).expect("listed above");
+        let (rows, width) = q.dims2().map_err(|e| format!("{n}: {e}"))?;
+        if q.dtype() != DType::U8 || width == 0 || width % 20 != 0 {
+            return Err(format!("{n}: 4-bit rows must be U8 in whole 20-byte blocks, not {:?} {:?}", q.dtype(), q.dims()));
+        }
+        let bytes: Vec<u8> = q.flatten_all().and_then(|t| t.to_vec1()).map_err(|e| format!("{n}: {e}"))?;
+        let cols = width / 20 * Q8_BLOCK;
+        let rows_q = crate::cpu::quant::QuantRows::new(crate::cpu::quant::QuantKind::Q4_1, rows, cols, bytes).map_err(|e| format!("{n}: {e}"))?;
+        let w = Tensor::from_vec(rows_q.dequantize(), (rows, cols), &Device::Cpu).map_err(|e| format!("{n}: {e}"))?;
+        if ts.insert(n.clone(), w).is_some() {
+            return Err(format!("{n}: stored both as 4-bit rows and as a plain tensor"));
+        }
+    }
     let names: Vec<String> = ts.keys().filter_map(|k| k.strip_suffix(Q8_SUFFIX).map(str::to_string)).collect();
     for n in names {
         let q = ts.remove(&format!("{n}{Q8_SUFFIX}")).expect("listed above");
@@ -327,6 +364,15 @@ impl DraftLayer {
                     }
                     None => {
                         ts.insert(n.clone(), t.to_dtype(DType::F16)?);
+                    }
+                },
+                StoreFormat::Q4 => match quantize_q4(t)? {
+                    Some(q) => {
+                        ts.insert(format!("{n}{Q4_SUFFIX}"), q);
+                    }
+                    // Norms and biases (a few KB) stay f32: native drafting reads them so.
+                    None => {
+                        ts.insert(n.clone(), t.clone());
                     }
                 },
             }

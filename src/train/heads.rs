@@ -282,10 +282,20 @@ pub struct Chunk {
     pub scored: Vec<bool>,
 }
 
+/// Where a chunk's hidden states are: held in memory, or in the disk cache, read when a batch
+/// needs them. Cached states stay out of memory: an EAGLE-3 run's 1.5M tokens of states (the
+/// final ones and three tapped layers', 9 KB a token) are 14 GB, which held in memory took
+/// training to 16.8 GB of RSS; read per batch from the page cache they cost a few ms a step.
+#[derive(Debug, Clone)]
+pub enum States {
+    Held(Tensor),
+    Cached(std::path::PathBuf),
+}
+
 /// A chunk with the frozen backbone's hidden states for it.
 pub struct Example {
     pub chunk: Chunk,
-    pub h: Tensor,
+    pub states: States,
 }
 
 impl Example {
@@ -295,6 +305,26 @@ impl Example {
     pub fn scored(&self) -> &[bool] {
         &self.chunk.scored
     }
+    /// The hidden states `[tokens, width]`, read from the cache file if they are there; an
+    /// error names a cache file that went missing or changed shape since the run began.
+    pub fn h(&self) -> Result<Tensor> {
+        match &self.states {
+            States::Held(t) => Ok(t.clone()),
+            States::Cached(f) => {
+                let h = read_cached(f).ok_or_else(|| Error::bad_file(f, "hidden states vanished or became unreadable during the run"))?;
+                if h.dim(0)? != self.chunk.tokens.len() {
+                    return Err(Error::bad_file(f, format!("holds states of {} tokens, the chunk has {}", h.dim(0)?, self.chunk.tokens.len())));
+                }
+                Ok(h)
+            }
+        }
+    }
+}
+
+/// The states tensor of a cache file, or None when it is missing or unreadable.
+fn read_cached(f: &Path) -> Option<Tensor> {
+    let m = candle_core::safetensors::load(f, &candle_core::Device::Cpu).ok()?;
+    m.get("h").cloned()
 }
 
 /// Tokenised chunks of at most `seq_len` tokens; each document starts a new chunk. Chunks with
@@ -354,27 +384,35 @@ impl HiddenCache {
 
 /// The frozen backbone's final hidden states for one chunk, from the disk cache when present.
 pub fn hidden_states(target: &Target, chunk: &[u32], cache: Option<&HiddenCache>) -> Result<Tensor> {
+    match states_of(target, chunk, cache, true)? {
+        States::Held(t) => Ok(t),
+        States::Cached(f) => Err(Error::bad_file(&f, "states kept on disk where they were asked for in memory")),
+    }
+}
+
+/// A chunk's states: computed and held in memory without a cache; with one, read or computed
+/// into it and left on disk (`hold: false`), or held as well (`hold: true`).
+fn states_of(target: &Target, chunk: &[u32], cache: Option<&HiddenCache>, hold: bool) -> Result<States> {
     let file = cache.map(|c| c.file_for(chunk));
     if let Some(f) = &file {
-        if f.exists() {
-            if let Ok(m) = candle_core::safetensors::load(f, target.model.device()) {
-                if let Some(t) = m.get("h") {
-                    return Ok(t.clone());
-                }
-            }
+        if let Some(t) = read_cached(f).filter(|t| t.dim(0).ok() == Some(chunk.len())) {
+            return Ok(if hold { States::Held(t.to_device(target.model.device())?) } else { States::Cached(f.clone()) });
         }
     }
     let mut cache = target.model.new_cache()?;
     // On the CPU the whole chunk runs on the batch-invariant kernels, so the states carry
     // decoding's own numerics.
     let h = target.model.forward_causal(chunk, &mut cache)?;
-    if let Some(f) = &file {
-        std::fs::create_dir_all(f.parent().unwrap()).map_err(|e| Error::io(f, e))?;
-        let tmp = f.with_extension("tmp");
-        candle_core::safetensors::save(&HashMap::from([("h".to_string(), h.clone())]), &tmp)?;
-        std::fs::rename(&tmp, f).map_err(|e| Error::io(f, e))?;
+    match &file {
+        Some(f) => {
+            std::fs::create_dir_all(f.parent().unwrap()).map_err(|e| Error::io(f, e))?;
+            let tmp = f.with_extension("tmp");
+            candle_core::safetensors::save(&HashMap::from([("h".to_string(), h.clone())]), &tmp)?;
+            std::fs::rename(&tmp, f).map_err(|e| Error::io(f, e))?;
+            Ok(if hold || !h.device().is_cpu() { States::Held(h) } else { States::Cached(f.clone()) })
+        }
+        None => Ok(States::Held(h)),
     }
-    Ok(h)
 }
 
 /// AdamW whose moments can be saved and restored, so a resumed run is bit-for-bit the
@@ -514,8 +552,9 @@ fn make_batch(
     let mut valid = vec![Vec::new(); k_heads];
     let mut soft_idx = vec![Vec::new(); k_heads];
     let mut offset = 0;
-    for &i in ids {
-        let (toks, h, scored) = (chunks[i].tokens(), &chunks[i].h, chunks[i].scored());
+    let states: Vec<Tensor> = ids.iter().map(|&i| chunks[i].h()).collect::<Result<_>>()?;
+    for (&i, h) in ids.iter().zip(&states) {
+        let (toks, scored) = (chunks[i].tokens(), chunks[i].scored());
         let n = toks.len();
         let rows = n - 2; // positions t with at least the head-0 label t+2
         hs.push(h.narrow(0, 0, rows)?);
@@ -533,8 +572,7 @@ fn make_batch(
     }
     let h = Tensor::cat(&hs, 0)?;
     let soft_rows = if loss == LossKind::Soft {
-        let full: Vec<Tensor> = ids.iter().map(|&i| chunks[i].h.clone()).collect();
-        Some((Tensor::cat(&full, 0)?, soft_idx))
+        Some((Tensor::cat(&states, 0)?, soft_idx))
     } else {
         None
     };
@@ -625,7 +663,7 @@ pub fn validate(heads: &Heads, target: &Target, chunks: &[Example]) -> Result<He
     let mut counts = vec![0usize; k_heads];
     let mut tau = TauEstimate::default();
     for ex in chunks {
-        let (toks, h, scored) = (ex.tokens(), &ex.h, ex.scored());
+        let (toks, h, scored) = (ex.tokens(), &ex.h()?, ex.scored());
         let n = toks.len();
         let own: Vec<u32> = h.matmul(&lm.t()?)?.argmax(D::Minus1)?.to_vec1()?; // own[t] = target's token t+1
         // The root at position t is the corpus token t+1: the target's "own" token at t+k+1 is
@@ -694,7 +732,7 @@ pub(crate) fn prepare(target: &Target, docs: &[Document], cfg: &TrainConfig, min
     let t_hidden = Instant::now();
     let cache = cache_hidden.map(|d| HiddenCache::new(d, target)).transpose()?;
     let with_h = |ids: &[usize]| -> Result<Vec<Example>> {
-        ids.iter().map(|&i| Ok(Example { chunk: chunks[i].clone(), h: hidden_states(target, &chunks[i].tokens, cache.as_ref())? })).collect()
+        ids.iter().map(|&i| Ok(Example { chunk: chunks[i].clone(), states: states_of(target, &chunks[i].tokens, cache.as_ref(), false)? })).collect()
     };
     let train_set = if with_train { with_h(train_ids)? } else { Vec::new() };
     let val_set = with_h(val_ids)?;
@@ -1045,6 +1083,23 @@ mod tests {
         assert!((chain - 5.0 / 3.0).abs() < 1e-12, "{chain}");
         assert!((tree - 4.0).abs() < 1e-12, "{tree}");
         assert_eq!(TauEstimate::default().both(), (0.0, 0.0));
+    }
+
+    #[test]
+    fn cached_states_that_vanish_name_their_file() {
+        let chunk = Chunk { tokens: vec![1, 2, 3], scored: vec![true; 3] };
+        let gone = std::env::temp_dir().join(format!("selfspec-no-states-{}.safetensors", std::process::id()));
+        let ex = Example { chunk: chunk.clone(), states: States::Cached(gone.clone()) };
+        let e = ex.h().unwrap_err().to_string();
+        assert!(e.contains(&gone.display().to_string()) && e.contains("vanished"), "{e}");
+        // A file whose states are for another length is refused too.
+        let t = Tensor::zeros((2, 4), DType::F32, &candle_core::Device::Cpu).unwrap();
+        candle_core::safetensors::save(&HashMap::from([("h".to_string(), t)]), &gone).unwrap();
+        let e = ex.h().unwrap_err().to_string();
+        assert!(e.contains("2 tokens") && e.contains("has 3"), "{e}");
+        let held = Example { chunk, states: States::Held(Tensor::ones((3, 4), DType::F32, &candle_core::Device::Cpu).unwrap()) };
+        assert_eq!(held.h().unwrap().dims(), &[3, 4]);
+        std::fs::remove_file(&gone).unwrap();
     }
 
     #[test]

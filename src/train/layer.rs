@@ -51,7 +51,7 @@ fn smooth_l1(d: &Tensor) -> Result<Tensor> {
 /// Loss of one chunk (a mean over its scored positions), and step 0's (hits, rows) against the
 /// target's own top token.
 fn chunk_loss(layer: &TrainLayer, target: &Target, ex: &Example, cfg: &TrainConfig) -> Result<(Tensor, (usize, usize))> {
-    let (toks, h) = (ex.tokens(), &ex.h);
+    let (toks, h) = (ex.tokens(), &ex.h()?);
     let t = toks.len() - 1;
     let steps = cfg.unroll.min(t);
     let (feats, embs) = chunk_inputs(target, toks, h, steps)?;
@@ -109,7 +109,7 @@ pub fn validate_layer(layer: &TrainLayer, ids: &[u32], target: &Target, chunks: 
     let mut counts = vec![0usize; VAL_LEVELS];
     let mut tau = crate::train::heads::TauEstimate::default();
     for ex in chunks {
-        let (toks, h) = (ex.tokens(), &ex.h);
+        let (toks, h) = (ex.tokens(), &ex.h()?);
         let t = toks.len() - 1;
         let steps = VAL_LEVELS.min(t);
         let d = target.model.config().hidden_size;
