@@ -158,7 +158,7 @@ fn layer_training_learns_resumes_and_round_trips() {
     assert_eq!(saved(&full, &scratch("layer-w-full")), saved(&resumed, &scratch("layer-w-resumed")), "resumed weights differ");
     // Resuming with another number of gradient groups would change the sums: refused.
     let e = train_layer(&t, &corpus(), &TrainConfig { grad_groups: 1, ..quick_cfg() }, &part, true, None, &mut |_, _, _, _, _| {}, &mut |_| {}).err().expect("other groups resume");
-    assert!(e.to_string().contains("other training settings"), "{e}");
+    assert!(e.to_string().contains("other training settings (grad_groups: checkpoint 2, this run 1)"), "{e}");
 
     // States kept in the disk cache and read per batch: the very same run.
     let cache = scratch("layer-train-states");

@@ -350,15 +350,6 @@ impl QuantRows {
         }
     }
 
-    /// The rows' blocks one after another, as a file stores them (for saving quantized weights).
-    pub fn to_bytes(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(self.n * self.row_bytes());
-        for j in 0..self.n {
-            out.extend_from_slice(self.row(j));
-        }
-        out
-    }
-
     /// Dequantised f32 `[n, k]`, the reference the kernels are tested against.
     pub fn dequantize(&self) -> Vec<f32> {
         let nb = self.k / QK;
@@ -1450,6 +1441,21 @@ mod tests {
         let a = quantize_acts(&many, 5, k);
         assert_eq!(&a.q[4 * k..], &q1[..]);
         assert_eq!(&a.d[4 * nb..], &d1[..]);
+    }
+
+    /// A Q4_1 block re-quantized from its own dequantized values is the same block: what makes
+    /// a draft layer stored in 4-bit blocks draft exactly as its f32 weights do.
+    #[test]
+    fn q4_1_blocks_survive_requantization() {
+        for seed in 0..4 {
+            let mut w = rand_vec(64 * 96, 40 + seed);
+            // Weights of a trained layer's scale, and a block with an offset far from zero.
+            w.iter_mut().for_each(|x| *x *= 0.05);
+            w[..32].iter_mut().for_each(|x| *x += 0.3);
+            let q = QuantRows::quantize_q4_1(&w, 64, 96).unwrap();
+            let again = QuantRows::quantize_q4_1(&q.dequantize(), 64, 96).unwrap();
+            assert_eq!(again.row_range(0, 64), q.row_range(0, 64), "seed {seed}");
+        }
     }
 
     #[test]

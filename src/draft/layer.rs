@@ -31,10 +31,11 @@ pub const LAYER_CONFIG_FILE: &str = "draft.json";
 /// How `save_as` stores the weights. Q8 keeps a committed layer at about a quarter of its f32
 /// size (blocks of 32 values, one f16 scale each, as GGUF's Q8_0); drafts need not be exact, so
 /// the rounding costs no correctness, only a hair of accuracy. Q4 stores every matrix in the
-/// 4-bit blocks (Q4_1) a loaded drafter drafts from ([`crate::draft::drafter::DRAFTING_FORMAT`]),
-/// norms and biases in f32, at about a sixth of f32: the drafts are exactly those of the f32
-/// file (re-quantizing a Q4_1 block gives the same block), so it loses nothing but the weights
-/// a later run could warm-start from.
+/// 4-bit blocks (Q4_1) a loaded drafter drafts from on the CPU by default
+/// ([`crate::draft::drafter::DRAFTING_FORMAT`]), norms and biases in f32, at about a sixth of
+/// f32: those drafts are the ones the f32 file gives (re-quantizing a Q4_1 block gives the same
+/// block). Everything else that reads the weights sees them 4-bit rounded: other
+/// `--draft-weights`, a GPU, `train --init`, `export --format eagle3`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StoreFormat {
     F32,
@@ -78,9 +79,7 @@ fn quantize_q4(t: &Tensor) -> Result<Option<Tensor>> {
     };
     let v: Vec<f32> = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
     let q = crate::cpu::quant::QuantRows::quantize_q4_1(&v, rows, cols)?;
-    let bytes = q.to_bytes();
-    let per_row = bytes.len() / rows.max(1);
-    Ok(Some(Tensor::from_vec(bytes, (rows, per_row), t.device())?))
+    Ok(Some(Tensor::from_vec(q.row_range(0, rows), (rows, cols / Q8_BLOCK * 20), t.device())?))
 }
 
 /// Turn stored Q8 pairs and Q4_1 rows back into f32 tensors under their own names; other

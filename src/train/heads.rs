@@ -396,7 +396,9 @@ fn states_of(target: &Target, chunk: &[u32], cache: Option<&HiddenCache>, hold: 
     let file = cache.map(|c| c.file_for(chunk));
     if let Some(f) = &file {
         if let Some(t) = read_cached(f).filter(|t| t.dim(0).ok() == Some(chunk.len())) {
-            return Ok(if hold { States::Held(t.to_device(target.model.device())?) } else { States::Cached(f.clone()) });
+            // Off the CPU the states are held on the device: a batch reads them there.
+            let device = target.model.device();
+            return Ok(if hold || !device.is_cpu() { States::Held(t.to_device(device)?) } else { States::Cached(f.clone()) });
         }
     }
     let mut cache = target.model.new_cache()?;
@@ -821,16 +823,31 @@ pub(crate) fn resume_from(out: &Path, cfg: &TrainConfig, data: &str, opt: &mut A
         Some(_) => {}
         None => log(format!("{}: an older checkpoint without a data fingerprint; resuming on trust that --data is the same", meta_path.display())),
     }
-    if serde_json::to_value(&meta.config).ok() != serde_json::to_value(cfg).ok().map(|mut v| {
-        v["max_steps"] = serde_json::to_value(meta.config.max_steps).unwrap();
-        v
-    }) {
-        return Err(Error::bad_file(&meta_path, "the checkpoint was made with other training settings; resume with the same flags"));
+    let differ = config_differences(&meta.config, cfg);
+    if !differ.is_empty() {
+        return Err(Error::bad_file(&meta_path, format!("the checkpoint was made with other training settings ({}); resume with the same flags", differ.join("; "))));
     }
     let st = candle_core::safetensors::load_buffer(&bytes, device).map_err(|e| Error::bad_file(&tp, e.to_string()))?;
     opt.restore(&st, meta.step)?;
     log(format!("resumed from step {} of {total_steps}", meta.step));
     Ok(meta.losses)
+}
+
+/// The settings in which a checkpoint's config and this run's differ, as "name: checkpoint's
+/// value, this run's value" (`max_steps` may differ: it only says where to stop). A checkpoint
+/// from before a setting existed reads as that setting's old behaviour (`grad_groups` 1).
+fn config_differences(saved: &TrainConfig, now: &TrainConfig) -> Vec<String> {
+    let (Ok(serde_json::Value::Object(a)), Ok(serde_json::Value::Object(b))) = (serde_json::to_value(saved), serde_json::to_value(now)) else {
+        return vec!["unreadable settings".into()];
+    };
+    let mut out = Vec::new();
+    for (k, v) in &b {
+        let old = a.get(k).unwrap_or(&serde_json::Value::Null);
+        if k != "max_steps" && old != v {
+            out.push(format!("{k}: checkpoint {old}, this run {v}"));
+        }
+    }
+    out
 }
 
 /// Progress callback: (step, total steps, loss, per-head running accuracy, tokens/s).
@@ -897,7 +914,7 @@ pub fn train(
     let mut losses = if resume { resume_from(out, cfg, &data, &mut opt, &device, total_steps, log)? } else { Vec::new() };
 
     let embed = |t: &[u32]| target.model.embed(t);
-    let runner = crate::train::parallel::GroupRunner::new(cfg.grad_groups)?;
+    let runner = crate::train::parallel::GroupRunner::new()?;
     let vars: Vec<Tensor> = varmap.all_vars().iter().map(|v| v.as_tensor().clone()).collect();
     let done = run_steps(
         StepsSetup { cfg, out, data: &data, train_set: &train_set, per_epoch, total_steps, batches_for_epoch: &batches_for_epoch, val_levels: "" },
@@ -1083,6 +1100,16 @@ mod tests {
         assert!((chain - 5.0 / 3.0).abs() < 1e-12, "{chain}");
         assert!((tree - 4.0).abs() < 1e-12, "{tree}");
         assert_eq!(TauEstimate::default().both(), (0.0, 0.0));
+    }
+
+    #[test]
+    fn checkpoints_from_before_grad_groups_resume_as_one_group() {
+        let mut old = serde_json::to_value(TrainConfig::default()).unwrap();
+        old.as_object_mut().unwrap().remove("grad_groups");
+        let old: TrainConfig = serde_json::from_value(old).unwrap();
+        assert_eq!(old.grad_groups, 1);
+        assert_eq!(config_differences(&old, &TrainConfig::default()), vec!["grad_groups: checkpoint 1, this run 2".to_string()]);
+        assert!(config_differences(&old, &TrainConfig { grad_groups: 1, max_steps: 7, ..Default::default() }).is_empty());
     }
 
     #[test]

@@ -201,7 +201,7 @@ pub fn train_layer(
     let data = crate::train::heads::data_fingerprint(docs);
     let mut losses = if resume { resume_from(out, cfg, &data, &mut opt, &device, total_steps, log)? } else { Vec::new() };
 
-    let runner = GroupRunner::new(cfg.grad_groups)?;
+    let runner = GroupRunner::new()?;
     let vars: Vec<Tensor> = varmap.all_vars().iter().map(|v| v.as_tensor().clone()).collect();
     let done = run_steps(
         StepsSetup { cfg, out, data: &data, train_set: &train_set, per_epoch, total_steps, batches_for_epoch: &batches_for_epoch, val_levels: LEVELS_NOTE },

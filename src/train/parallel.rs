@@ -8,9 +8,10 @@
 //! barrier inside a step, only the sum at its end.
 //!
 //! The result depends on the number of groups (which decides the order of the floating-point
-//! sums), never on the number of threads that run them: a run resumed on another machine, or
-//! with another `RAYON_NUM_THREADS`, continues bit for bit. Each group's loss must already be
-//! scaled to its share of the whole batch, so that the sum is the batch's gradient.
+//! sums), never on the number of threads that run them: a run resumed with another
+//! `RAYON_NUM_THREADS` continues bit for bit. (Not on another CPU: the gemm kernels and their
+//! blocking follow the CPU's vector width and caches.) Each group's loss must already be scaled
+//! to its share of the whole batch, so that the sum is the batch's gradient.
 //!
 //! Candle's element-wise ops have their own pool (a barrier pool sized by `CANDLE_NUM_THREADS`)
 //! that serialises concurrent callers behind a lock; with groups running side by side it only
@@ -32,16 +33,16 @@ pub struct BatchGrads {
     pub acc: Vec<(usize, usize)>,
 }
 
-/// Threads that run the groups side by side (they share the gemm work of their groups through
-/// the same rayon pool).
+/// Threads that run the groups side by side; the gemm calls inside a group split their work
+/// across the same pool, so a thread whose group is done helps the others.
 pub struct GroupRunner {
     pool: rayon::ThreadPool,
 }
 
 impl GroupRunner {
-    /// A runner for `groups` groups on at most [`crate::cpu::team::threads`] threads.
-    pub fn new(groups: usize) -> Result<Self> {
-        Self::with_threads(groups.clamp(1, crate::cpu::team::threads().max(1)))
+    /// A runner on [`crate::cpu::team::threads`] threads (`RAYON_NUM_THREADS` when set).
+    pub fn new() -> Result<Self> {
+        Self::with_threads(crate::cpu::team::threads())
     }
 
     /// A runner on exactly `threads` threads (at least one).
@@ -154,9 +155,9 @@ mod tests {
             Ok(((total / n)?, vec![(items.len(), 1)]))
         };
         let vars = [w.as_tensor().clone()];
-        let whole = GroupRunner::new(1)?.grads(vec![xs.clone()], &vars, &loss_of)?;
+        let whole = GroupRunner::new()?.grads(vec![xs.clone()], &vars, &loss_of)?;
         for groups in [2, 3, 5] {
-            let split = GroupRunner::new(groups)?.grads(split_groups(&xs, groups), &vars, &loss_of)?;
+            let split = GroupRunner::new()?.grads(split_groups(&xs, groups), &vars, &loss_of)?;
             assert!((split.loss - whole.loss).abs() < 1e-5, "{groups} groups: loss {} vs {}", split.loss, whole.loss);
             let (a, b): (Vec<f32>, Vec<f32>) = (whole.grads.get(&vars[0]).unwrap().to_vec1()?, split.grads.get(&vars[0]).unwrap().to_vec1()?);
             for (x, y) in a.iter().zip(&b) {
@@ -165,9 +166,9 @@ mod tests {
             assert_eq!(split.acc, vec![(5, groups)]);
         }
         // The same groups on another number of threads: the same bits.
-        let two = GroupRunner::with_threads(1)?.grads(split_groups(&xs, 3), &vars, &loss_of)?;
+        let one = GroupRunner::with_threads(1)?.grads(split_groups(&xs, 3), &vars, &loss_of)?;
         let three = GroupRunner::with_threads(3)?.grads(split_groups(&xs, 3), &vars, &loss_of)?;
-        assert_eq!(two.grads.get(&vars[0]).unwrap().to_vec1::<f32>()?, three.grads.get(&vars[0]).unwrap().to_vec1::<f32>()?);
+        assert_eq!(one.grads.get(&vars[0]).unwrap().to_vec1::<f32>()?, three.grads.get(&vars[0]).unwrap().to_vec1::<f32>()?);
         Ok(())
     }
 }
