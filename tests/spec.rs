@@ -306,6 +306,33 @@ fn greedy_speculation_with_the_committed_draft_layer_is_exact() {
     assert!(copied_ds > copied_ctx, "the datastore added no accepted copied token ({copied_ds} vs {copied_ctx} from the context alone)");
 }
 
+/// The committed EAGLE-3 layer (stored in 4-bit blocks) on SmolLM2 in native weights: attached,
+/// it drafts (fewer forwards than tokens) and greedy output stays exactly plain decoding's.
+#[test]
+fn greedy_speculation_with_the_committed_eagle3_layer_is_exact() {
+    let mut t = selfspec::model::loader::Target::load_with(&common::smollm2_path(), &candle_core::Device::Cpu, selfspec::cpu::quant::WeightFormat::Native).unwrap();
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/drafters/smollm2-eagle3");
+    let drafter = Drafter::from_dir(&dir, &t).unwrap();
+    drafter.attach(&mut t).unwrap();
+    assert_eq!(t.model.feature_layers(), [2, 15, 27]);
+    let prompts = selfspec::data::read_prompts(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/prompts/eval.jsonl")).unwrap();
+    let params = SamplingParams::greedy();
+    let (mut forwards, mut tokens) = (0usize, 0usize);
+    for item in prompts.iter().take(3) {
+        let ids = t.encode_prompt(&item.turns[0], true).unwrap();
+        let stop = || StopRule { max_new_tokens: 64, eos_ids: &t.tokenizer.eos_ids };
+        let (plain, _) = generate_plain(&t.model, &ids, &params, &stop(), &mut rng(0), &mut |_| Ok(())).unwrap();
+        for tree in [TreeChoice::Static(Tree::chain(4)), TreeChoice::Dynamic(8)] {
+            let opts = SpecOptions { tree: tree.clone(), lookup: None, datastore: None, rule: Rule::Greedy, params: params.clone(), stop: stop() };
+            let (spec, stats) = generate_spec(&t.model, &drafter, &ids, &opts, &mut rng(0), &mut |_| Ok(())).unwrap();
+            assert_eq!(spec, plain, "{:?}, tree {tree:?}: output differs from plain greedy", item.turns[0]);
+            forwards += stats.gen.target_forwards;
+            tokens += plain.len();
+        }
+    }
+    assert!(forwards * 5 < tokens * 4, "{forwards} forwards for {tokens} tokens: the layer hardly drafts");
+}
+
 #[test]
 fn a_draft_layer_without_its_f32_weights_drafts_the_same() {
     let t = selfspec::model::loader::Target::load_with(&common::smollm2_path(), &candle_core::Device::Cpu, selfspec::cpu::quant::WeightFormat::Native).unwrap();
