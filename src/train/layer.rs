@@ -142,8 +142,15 @@ pub fn validate_layer(layer: &TrainLayer, ids: &[u32], target: &Target, chunks: 
 /// --draft-layer` run with `cfg` and these `docs` holds out, computing hidden states for those
 /// chunks only (see [`crate::train::held_out_accuracy`]).
 pub fn held_out_layer_accuracy(target: &Target, docs: &[Document], cfg: &TrainConfig, cache_hidden: Option<&Path>, log: &mut dyn FnMut(String)) -> Result<HeadAccuracy> {
-    let (dir, val_set) = crate::train::held_out_set(target, docs, cfg, cfg.unroll + 2, cache_hidden, log)?;
+    let dir = cfg.init.as_deref().ok_or_else(|| Error::InvalidArgument("--validate-only needs --init: the drafter to measure".into()))?;
     let from = crate::draft::drafter::load_layer(dir, target)?;
+    held_out_accuracy_of(&from, target, docs, cfg, cache_hidden, log)
+}
+
+/// [`held_out_layer_accuracy`] of a layer already loaded from `cfg.init` (read once: an EAGLE-3
+/// layer's file also says which target layers to attach before the states are computed).
+pub(crate) fn held_out_accuracy_of(from: &DraftLayer, target: &Target, docs: &[Document], cfg: &TrainConfig, cache_hidden: Option<&Path>, log: &mut dyn FnMut(String)) -> Result<HeadAccuracy> {
+    let (dir, val_set) = crate::train::held_out_set(target, docs, cfg, cfg.unroll + 2, cache_hidden, log)?;
     let ids = from.draft_vocab().to_vec();
     let varmap = VarMap::new();
     let layer = TrainLayer::init(&varmap, from.config().clone(), &ids, &target.model, cfg.seed)?;

@@ -10,7 +10,7 @@ use crate::draft::layer::StoreFormat;
 use crate::files::write_atomic;
 use crate::model::loader::Target;
 use crate::train::heads::{describe_inputs, held_out_accuracy, train, HeadAccuracy, Progress, TrainConfig, TrainReport};
-use crate::train::layer::{held_out_layer_accuracy, train_layer};
+use crate::train::layer::train_layer;
 use crate::{Error, Result};
 
 /// Where a run reads and writes, besides its [`TrainConfig`].
@@ -93,13 +93,13 @@ pub fn validate_drafter(target: &mut Target, docs: &[Document], cfg: &TrainConfi
     let Some(init) = &cfg.init else {
         return Err(Error::InvalidArgument("validating needs --init DIR: the drafter to validate".into()));
     };
-    // The drafter in --init says which layers it reads.
-    let layers = if cfg.draft_layer { crate::draft::drafter::load_layer(init, target)?.feature_layers().to_vec() } else { Vec::new() };
-    target.model.set_feature_layers(&layers)?;
-    let target = &*target;
     if cfg.draft_layer {
-        held_out_layer_accuracy(target, docs, cfg, cache_hidden, log)
+        // The layer in --init says which target layers it reads: attach them, then measure it.
+        let layer = crate::draft::drafter::load_layer(init, target)?;
+        target.model.set_feature_layers(layer.feature_layers())?;
+        crate::train::layer::held_out_accuracy_of(&layer, target, docs, cfg, cache_hidden, log)
     } else {
+        target.model.set_feature_layers(&[])?;
         held_out_accuracy(target, docs, cfg, cache_hidden, log)
     }
 }
