@@ -40,7 +40,8 @@ pub struct GroupRunner {
 }
 
 impl GroupRunner {
-    /// A runner on [`crate::cpu::team::threads`] threads (`RAYON_NUM_THREADS` when set).
+    /// A runner on as many threads as the CPU kernels use (`RAYON_NUM_THREADS` when set, else
+    /// the machine's available parallelism).
     pub fn new() -> Result<Self> {
         Self::with_threads(crate::cpu::team::threads())
     }
