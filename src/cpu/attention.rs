@@ -382,8 +382,8 @@ mod attend256 {
         lanes.iter().sum()
     }
 
-    /// Larger heads take the portable path.
-    pub const MAX_D: usize = 128;
+    /// Larger heads take the portable path. 256: Gemma's heads.
+    pub const MAX_D: usize = 256;
 
     /// Four keys' scores from their lane chains (`lo[u]`, `hi[u]`: lanes 0-7 and 8-15 of key
     /// `u`), each reduced by `reduce_lanes`' tree (l + 8, + 4, + 2, + 1), all four at once.
@@ -417,21 +417,28 @@ mod attend256 {
     pub unsafe fn attend_group<E: Elem>(kv: &KvHead<E>, pairs: &[Pair], prefix: usize, scratch: &mut Scratch) {
         debug_assert!(kv.d.is_multiple_of(LANES) && kv.d <= MAX_D);
         match kv.d / LANES {
-            1 => group::<E, 1, 2, 0>(kv, pairs, prefix, scratch),
-            2 => group::<E, 2, 4, 0>(kv, pairs, prefix, scratch),
-            3 => group::<E, 3, 6, 0>(kv, pairs, prefix, scratch),
-            4 => group::<E, 4, 8, 0>(kv, pairs, prefix, scratch),
-            5 => group::<E, 5, 8, 2>(kv, pairs, prefix, scratch),
-            6 => group::<E, 6, 8, 4>(kv, pairs, prefix, scratch),
-            7 => group::<E, 7, 8, 6>(kv, pairs, prefix, scratch),
-            _ => group::<E, 8, 8, 8>(kv, pairs, prefix, scratch),
+            1 => group::<E, 1>(kv, pairs, prefix, scratch),
+            2 => group::<E, 2>(kv, pairs, prefix, scratch),
+            3 => group::<E, 3>(kv, pairs, prefix, scratch),
+            4 => group::<E, 4>(kv, pairs, prefix, scratch),
+            5 => group::<E, 5>(kv, pairs, prefix, scratch),
+            6 => group::<E, 6>(kv, pairs, prefix, scratch),
+            7 => group::<E, 7>(kv, pairs, prefix, scratch),
+            8 => group::<E, 8>(kv, pairs, prefix, scratch),
+            9 => group::<E, 9>(kv, pairs, prefix, scratch),
+            10 => group::<E, 10>(kv, pairs, prefix, scratch),
+            11 => group::<E, 11>(kv, pairs, prefix, scratch),
+            12 => group::<E, 12>(kv, pairs, prefix, scratch),
+            13 => group::<E, 13>(kv, pairs, prefix, scratch),
+            14 => group::<E, 14>(kv, pairs, prefix, scratch),
+            15 => group::<E, 15>(kv, pairs, prefix, scratch),
+            _ => group::<E, 16>(kv, pairs, prefix, scratch),
         }
     }
 
-    /// [`attend_group`] for a head of `C` 16-value chunks, whose output takes `W1` and then `W2`
-    /// 8-lane registers (at most 8 per pass: 64 elements).
+    /// [`attend_group`] for a head of `C` 16-value chunks.
     #[inline(always)]
-    unsafe fn group<E: Elem, const C: usize, const W1: usize, const W2: usize>(kv: &KvHead<E>, pairs: &[Pair], prefix: usize, scratch: &mut Scratch) {
+    unsafe fn group<E: Elem, const C: usize>(kv: &KvHead<E>, pairs: &[Pair], prefix: usize, scratch: &mut Scratch) {
         let d = kv.d;
         // Keys per block: 8 KB of K rows (and as much of V) in L1, a multiple of 4.
         let block = (8192 / (d * std::mem::size_of::<E>())).max(4) / 4 * 4;
@@ -485,20 +492,13 @@ mod attend256 {
         while k0 < common {
             let k1 = (k0 + block).min(common);
             for (pi, pr) in pairs.iter().enumerate() {
-                let (probs, chains) = (sp.add(pi * stride + k0), ap.add(pi * d));
-                values::<E, W1>(kv, &pr.keys[k0..k1], probs, chains, 0);
-                if W2 > 0 {
-                    values::<E, W2>(kv, &pr.keys[k0..k1], probs, chains, 8 * W1);
-                }
+                values_all(kv, &pr.keys[k0..k1], sp.add(pi * stride + k0), ap.add(pi * d));
             }
             k0 = k1;
         }
         for (pi, pr) in pairs.iter().enumerate() {
-            let (probs, chains) = (sp.add(pi * stride + common), ap.add(pi * d));
-            values::<E, W1>(kv, &pr.keys[common..], probs, chains, 0);
-            if W2 > 0 {
-                values::<E, W2>(kv, &pr.keys[common..], probs, chains, 8 * W1);
-            }
+            let chains = ap.add(pi * d);
+            values_all(kv, &pr.keys[common..], sp.add(pi * stride + common), chains);
             let f = _mm256_set1_ps(inv[pi]);
             for e in (0..d).step_by(8) {
                 _mm256_storeu_ps(pr.out.0.add(e), _mm256_mul_ps(_mm256_loadu_ps(chains.add(e)), f));
@@ -548,6 +548,24 @@ mod attend256 {
         _mm_storeu_ps(maxv, mx);
     }
 
+    /// [`values`] over the whole head, 64 elements (8 registers) per pass: each element is its
+    /// own chain, so the split changes no bits.
+    #[inline(always)]
+    unsafe fn values_all<E: Elem>(kv: &KvHead<E>, keys: &[usize], probs: *const f32, chains: *mut f32) {
+        let d = kv.d;
+        let mut e0 = 0;
+        while e0 + 64 <= d {
+            values::<E, 8>(kv, keys, probs, chains, e0);
+            e0 += 64;
+        }
+        match (d - e0) / 8 {
+            6 => values::<E, 6>(kv, keys, probs, chains, e0),
+            4 => values::<E, 4>(kv, keys, probs, chains, e0),
+            2 => values::<E, 2>(kv, keys, probs, chains, e0),
+            _ => {}
+        }
+    }
+
     /// Continue the output chains at `chains[e0..e0 + 8W]` over `keys`: `+= p_j v_j[e]` in
     /// key order, with `probs[jj]` the probability of `keys[jj]`.
     #[inline(always)]
@@ -579,8 +597,8 @@ mod attend512 {
     use super::*;
     use std::arch::x86_64::*;
 
-    /// Larger heads take the portable path.
-    pub const MAX_D: usize = 128;
+    /// Larger heads take the portable path. 256: Gemma's heads.
+    pub const MAX_D: usize = 256;
 
     /// Lane `l` of the result is `reduce_lanes(a[l])`: the tree (l + 8, + 4, + 2, + 1) is done for
     /// all sixteen vectors together. Each step adds the same pairs as the scalar tree.
@@ -649,6 +667,14 @@ mod attend512 {
             6 => group::<E, 6>(kv, pairs, prefix, scratch),
             7 => group::<E, 7>(kv, pairs, prefix, scratch),
             8 => group::<E, 8>(kv, pairs, prefix, scratch),
+            9 => group::<E, 9>(kv, pairs, prefix, scratch),
+            10 => group::<E, 10>(kv, pairs, prefix, scratch),
+            11 => group::<E, 11>(kv, pairs, prefix, scratch),
+            12 => group::<E, 12>(kv, pairs, prefix, scratch),
+            13 => group::<E, 13>(kv, pairs, prefix, scratch),
+            14 => group::<E, 14>(kv, pairs, prefix, scratch),
+            15 => group::<E, 15>(kv, pairs, prefix, scratch),
+            16 => group::<E, 16>(kv, pairs, prefix, scratch),
             _ => {
                 for pr in pairs {
                     super::attend_head(kv, pr.q, pr.keys, scratch, std::slice::from_raw_parts_mut(pr.out.0, kv.d));
@@ -722,7 +748,7 @@ mod attend512 {
         scores.resize(np * stride, 0.0);
         maxv.clear();
         maxv.resize(np * LANES, f32::NEG_INFINITY);
-        let (kp, vp, sp) = (kv.k.as_ptr(), kv.v.as_ptr(), scores.as_mut_ptr());
+        let (kp, sp) = (kv.k.as_ptr(), scores.as_mut_ptr());
         let scale = _mm512_set1_ps(kv.scale);
         // Scores, 16 keys at a time: first the blocks inside the shared prefix, for all pairs
         // while the 16 K rows are hot, then each pair's own remaining keys.
@@ -781,37 +807,72 @@ mod attend512 {
             _mm512_storeu_ps(l.as_mut_ptr(), lanes);
             inv[pi] = 1.0 / reduce_lanes(l);
         }
-        // Outputs: the shared prefix in steps of V_STEP keys for all pairs (chains parked in
-        // scratch between steps), pairs in blocks that share each V row's loads, then each
-        // pair's own keys.
+        // Outputs, in chunks of at most 8 vectors of the head (each output element is its own
+        // chain, so splitting the head changes no bits): 8 vectors of chains per pair and one V
+        // row already fill most of the 32 registers.
+        let mut e0 = 0;
+        while e0 < C {
+            let at = Chunk { e0: e0 * LANES, stride, widen, wp, inv };
+            match (C - e0).min(8) {
+                8 => outputs::<E, 8>(kv, pairs, prefix, sp, accs, &at),
+                7 => outputs::<E, 7>(kv, pairs, prefix, sp, accs, &at),
+                6 => outputs::<E, 6>(kv, pairs, prefix, sp, accs, &at),
+                5 => outputs::<E, 5>(kv, pairs, prefix, sp, accs, &at),
+                4 => outputs::<E, 4>(kv, pairs, prefix, sp, accs, &at),
+                3 => outputs::<E, 3>(kv, pairs, prefix, sp, accs, &at),
+                2 => outputs::<E, 2>(kv, pairs, prefix, sp, accs, &at),
+                _ => outputs::<E, 1>(kv, pairs, prefix, sp, accs, &at),
+            }
+            e0 += 8;
+        }
+    }
+
+    /// Where one chunk of the output phase reads and writes: its first element `e0` within the
+    /// head, the pairs' probabilities (`stride` apart), the widened-V scratch, 1 / softmax sums.
+    struct Chunk<'a> {
+        e0: usize,
+        stride: usize,
+        widen: bool,
+        wp: *mut f32,
+        inv: &'a [f32],
+    }
+
+    /// The output phase for head elements `at.e0..at.e0 + 16 CV`: the shared prefix in steps of
+    /// V_STEP keys for all pairs (chains parked in scratch between steps), pairs in blocks that
+    /// share each V row's loads, then each pair's own keys.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn outputs<E: Elem, const CV: usize>(kv: &KvHead<E>, pairs: &[Pair], prefix: usize, sp: *mut f32, accs: &mut Vec<f32>, at: &Chunk) {
+        let np = pairs.len();
+        let Chunk { e0, stride, widen, wp, inv } = *at;
+        let vp = kv.v.as_ptr();
         accs.clear();
-        accs.resize(np * C * LANES, 0.0);
+        accs.resize(np * CV * LANES, 0.0);
         let ap = accs.as_mut_ptr();
         let vshared = (prefix / V_STEP) * V_STEP;
         // Pairs per block: their chains and one V row fill most of the 32 vector registers.
         const fn block(c: usize) -> usize {
             if c <= 4 { 4 } else { 2 }
         }
-        let pb_max = block(C);
+        let pb_max = block(CV);
         for j0 in (0..vshared).step_by(V_STEP) {
             if widen {
-                widen_rows::<E, C>(kv, vp, j0, V_STEP, wp);
+                widen_rows::<E, CV>(kv, vp.add(e0), j0, V_STEP, wp);
             }
             let mut pi = 0;
             while pi < np {
                 let pb = pb_max.min(np - pi);
                 macro_rules! run {
                     ($pb:literal) => {{
-                        let mut acc: [[__m512; C]; $pb] = std::array::from_fn(|b| std::array::from_fn(|c| _mm512_loadu_ps(ap.add(((pi + b) * C + c) * LANES))));
+                        let mut acc: [[__m512; CV]; $pb] = std::array::from_fn(|b| std::array::from_fn(|c| _mm512_loadu_ps(ap.add(((pi + b) * CV + c) * LANES))));
                         let probs: [*const f32; $pb] = std::array::from_fn(|b| sp.add((pi + b) * stride) as *const f32);
                         if widen {
-                            values::<f32, $pb, C>(&mut acc, probs, |j| wp.add((j - j0) * C * LANES) as *const f32, j0, j0 + V_STEP);
+                            values::<f32, $pb, CV>(&mut acc, probs, |j| wp.add((j - j0) * CV * LANES) as *const f32, j0, j0 + V_STEP);
                         } else {
-                            values::<E, $pb, C>(&mut acc, probs, |j| vp.add(kv.row(j)), j0, j0 + V_STEP);
+                            values::<E, $pb, CV>(&mut acc, probs, |j| vp.add(kv.row(j) + e0), j0, j0 + V_STEP);
                         }
                         for (b, acc) in acc.iter().enumerate() {
                             for (c, a) in acc.iter().enumerate() {
-                                _mm512_storeu_ps(ap.add(((pi + b) * C + c) * LANES), *a);
+                                _mm512_storeu_ps(ap.add(((pi + b) * CV + c) * LANES), *a);
                             }
                         }
                     }};
@@ -827,11 +888,11 @@ mod attend512 {
         }
         for (pi, pr) in pairs.iter().enumerate() {
             let n = pr.keys.len();
-            let mut acc: [[__m512; C]; 1] = [std::array::from_fn(|c| _mm512_loadu_ps(ap.add((pi * C + c) * LANES)))];
-            values::<E, 1, C>(&mut acc, [sp.add(pi * stride) as *const f32], |j| vp.add(kv.row(pr.keys[j])), vshared, n);
+            let mut acc: [[__m512; CV]; 1] = [std::array::from_fn(|c| _mm512_loadu_ps(ap.add((pi * CV + c) * LANES)))];
+            values::<E, 1, CV>(&mut acc, [sp.add(pi * stride) as *const f32], |j| vp.add(kv.row(pr.keys[j]) + e0), vshared, n);
             let invv = _mm512_set1_ps(inv[pi]);
             for (c, a) in acc[0].iter().enumerate() {
-                _mm512_storeu_ps(pr.out.0.add(c * LANES), _mm512_mul_ps(*a, invv));
+                _mm512_storeu_ps(pr.out.0.add(e0 + c * LANES), _mm512_mul_ps(*a, invv));
             }
         }
     }
@@ -914,16 +975,17 @@ mod tests {
         }
     }
 
-    /// The AVX2 attention over a task of pairs that share a prefix (taken in blocks) and then
-    /// have keys of their own, in f32 and f16, gives each pair the one-pair reference's bits;
-    /// head sizes of 32 to 128 take their own register counts.
+    /// The AVX2 and AVX-512 attention over a task of pairs that share a prefix (taken in
+    /// blocks) and then have keys of their own, in f32 and f16, give each pair the one-pair
+    /// reference's bits; head sizes of 32 to 256 (Gemma's) take their own register counts, and
+    /// those over 128 go through the output phase in chunks.
     #[test]
-    fn avx2_attention_groups_match_the_reference_bits() {
+    fn simd_attention_groups_match_the_reference_bits() {
         if !has_avx2() {
             return;
         }
         use half::f16;
-        for d in [32usize, 64, 96, 128] {
+        for d in [32usize, 64, 96, 128, 192, 256] {
             let slots = 300;
             let k = rand_vec(2 * slots * d, 50 + d as u64);
             let v = rand_vec(2 * slots * d, 51 + d as u64);
@@ -934,14 +996,23 @@ mod tests {
                 let qs: Vec<Vec<f32>> = (0..5).map(|p| rand_vec(d, 60 + p as u64).iter().map(|x| x * 4.0).collect()).collect();
                 fn check<E: Elem>(kv: &KvHead<E>, qs: &[Vec<f32>], lists: &[Vec<usize>], prefix: usize, what: &str) {
                     let d = kv.d;
-                    let mut got = vec![0f32; qs.len() * d];
-                    let pairs: Vec<Pair> = (0..qs.len()).map(|p| Pair { q: &qs[p], keys: &lists[p], out: OutPtr(got[p * d..].as_mut_ptr()) }).collect();
-                    #[cfg(target_arch = "x86_64")]
-                    unsafe { attend256::attend_group(kv, &pairs, prefix, &mut Scratch::default()) };
-                    for p in 0..qs.len() {
-                        let mut want = vec![0f32; d];
-                        attend_head(kv, &qs[p], &lists[p], &mut Scratch::default(), &mut want);
-                        assert_eq!(&got[p * d..(p + 1) * d], &want[..], "{what}: pair {p}, d {d}, prefix {prefix}");
+                    let paths: &[&str] = if isa() == Isa::Avx512 { &["AVX2", "AVX-512"] } else { &["AVX2"] };
+                    for &path in paths {
+                        let mut got = vec![0f32; qs.len() * d];
+                        let pairs: Vec<Pair> = (0..qs.len()).map(|p| Pair { q: &qs[p], keys: &lists[p], out: OutPtr(got[p * d..].as_mut_ptr()) }).collect();
+                        #[cfg(target_arch = "x86_64")]
+                        unsafe {
+                            if path == "AVX2" {
+                                attend256::attend_group(kv, &pairs, prefix, &mut Scratch::default())
+                            } else {
+                                attend512::attend_group(kv, &pairs, prefix, &mut Scratch::default())
+                            }
+                        };
+                        for p in 0..qs.len() {
+                            let mut want = vec![0f32; d];
+                            attend_head(kv, &qs[p], &lists[p], &mut Scratch::default(), &mut want);
+                            assert_eq!(&got[p * d..(p + 1) * d], &want[..], "{what} {path}: pair {p}, d {d}, prefix {prefix}");
+                        }
                     }
                 }
                 check(&KvHead { k: &k[..], v: &v[..], head_stride: slots * d, kvh: 1, d, scale: 0.125 }, &qs, &lists, prefix, "f32");

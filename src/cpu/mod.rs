@@ -32,4 +32,4 @@ mod testutil;
 pub use attention::{sum_exp_below, TreeAttention, TreeMask};
 pub use isa::cpu_kernels;
 pub use matmul::{matmul_packed, matmul_xwt, PackedWeight, PANEL, ROW_KERNEL_MAX_ROWS};
-pub use ops::{KvCompact, KvStore, RmsNormRows, RopeInPlace, RopeThd, RowMatmul, SwiGlu};
+pub use ops::{GeluTanhGlu, KvCompact, KvStore, RmsNormRows, RopeInPlace, RopeThd, RowMatmul, SwiGlu};

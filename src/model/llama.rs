@@ -8,7 +8,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Embedding, RmsNorm, VarBuilder};
 use serde::{Deserialize, Serialize};
 
-use crate::cpu::{ROW_KERNEL_MAX_ROWS, RowMatmul, SwiGlu, TreeAttention, TreeMask};
+use crate::cpu::{GeluTanhGlu, ROW_KERNEL_MAX_ROWS, RowMatmul, SwiGlu, TreeAttention, TreeMask};
 use crate::cpu::quant::{CpuMatmul, CpuWeight, QuantRows, Staged, WeightFormat};
 use crate::model::gguf::RawRows;
 use crate::model::kv_cache::KvCache;
@@ -975,10 +975,7 @@ impl Llama {
             let act = match (&b.mlp.gate_up, b.mlp.activation) {
                 (Some(f), Activation::Silu) if f.applies(&h)? => f.forward_joined(&h)?.apply_op1_no_bwd(&SwiGlu)?,
                 (_, Activation::Silu) => (candle_nn::ops::silu(&b.mlp.gate.forward(&h)?)? * b.mlp.up.forward(&h)?)?.contiguous()?,
-                (Some(f), Activation::GeluTanh) if f.applies(&h)? => {
-                    let gu = f.forward(&h)?;
-                    (gu[0].gelu()? * &gu[1])?.contiguous()?
-                }
+                (Some(f), Activation::GeluTanh) if f.applies(&h)? => f.forward_joined(&h)?.apply_op1_no_bwd(&GeluTanhGlu)?,
                 (_, Activation::GeluTanh) => (b.mlp.gate.forward(&h)?.gelu()? * b.mlp.up.forward(&h)?)?.contiguous()?,
             };
             let mut m = b.mlp.down.forward(&act)?;
