@@ -27,11 +27,11 @@ pub fn cache_costs_in(dir: Option<PathBuf>) {
 
 /// What a forward's cost depends on: the model's shapes and the bytes its weights stream (not
 /// their values), the weight and KV formats, the CPU and its kernel path, the thread count, the
-/// device, and this program's version (kernels change between versions).
+/// device, and this program's version and build (kernels change between builds).
 fn cost_key(model: &Llama, max_tokens: usize) -> String {
     let cfg = serde_json::to_string(model.config()).unwrap_or_default();
     let what = format!(
-        "{cfg}|{}|{:?}|{}|{}|{}|{:?}|{max_tokens}|{}",
+        "{cfg}|{}|{:?}|{}|{}|{}|{:?}|{max_tokens}|{}|{}",
         model.weight_format(),
         model.kv_dtype(),
         model.weight_bytes_per_forward(),
@@ -39,6 +39,7 @@ fn cost_key(model: &Llama, max_tokens: usize) -> String {
         crate::cpu::team::threads(),
         model.device().location(),
         env!("CARGO_PKG_VERSION"),
+        crate::files::build_identity(),
     );
     crate::files::cache_key(&[what.as_bytes()])
 }
