@@ -30,6 +30,9 @@ use crate::{Error, Result};
 /// Values per quantization block (Q8_0, Q4_0 and Q4_1 all use 32).
 pub const QK: usize = 32;
 
+/// Bytes of a panel-block's fifth-bit plane (5-bit codes): one bit per code, 16 x 32 codes.
+const HIGH_PLANE: usize = 64;
+
 /// How the block quantizers' errors begin: a matrix whose rows are not whole blocks.
 pub const CANNOT_QUANTIZE: &str = "cannot quantize";
 
@@ -105,6 +108,9 @@ pub enum QuantKind {
     Q8_0,
     Q4_0,
     Q4_1,
+    /// 5-bit codes, value = d * (q - 16): the low 4 bits as Q4_0's nibbles, the fifth bits in
+    /// one 32-bit word per block (Gemma 3's Q4_K_M files keep most projections in it).
+    Q5_0,
     /// 256-value super-blocks of eight 32-value sub-blocks with 6-bit scales and mins (the
     /// format of the common Q4_K_M files). Each sub-block's scale d·sc and offset -dmin·m are
     /// stored in f16 in the panels: within 2^-12 relative of the file's own, far below the
@@ -126,6 +132,7 @@ impl QuantKind {
             QuantKind::Q8_0 => 34,
             QuantKind::Q4_0 => 18,
             QuantKind::Q4_1 => 20,
+            QuantKind::Q5_0 => 22,
             QuantKind::Q4K => 144,
         }
     }
@@ -134,6 +141,7 @@ impl QuantKind {
             QuantKind::Q8_0 => "q8_0",
             QuantKind::Q4_0 => "q4_0",
             QuantKind::Q4_1 => "q4_1",
+            QuantKind::Q5_0 => "q5_0",
             QuantKind::Q4K => "q4_k",
         }
     }
@@ -144,6 +152,7 @@ impl QuantKind {
             G::Q8_0 => Some(QuantKind::Q8_0),
             G::Q4_0 => Some(QuantKind::Q4_0),
             G::Q4_1 => Some(QuantKind::Q4_1),
+            G::Q5_0 => Some(QuantKind::Q5_0),
             G::Q4K => Some(QuantKind::Q4K),
             _ => None,
         }
@@ -334,6 +343,17 @@ impl QuantRows {
                 }
                 (d, m, q)
             }
+            QuantKind::Q5_0 => {
+                let s = &row[b * 22..(b + 1) * 22];
+                let d = half(s, 0);
+                let qh = u32::from_le_bytes([s[2], s[3], s[4], s[5]]);
+                for i in 0..16 {
+                    q[i] = (s[6 + i] & 0x0f) | (((qh >> i) & 1) << 4) as u8;
+                    q[i + 16] = (s[6 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4) as u8;
+                }
+                // d * (q - 16): an offset of -16d, exact in f16 (a power-of-two scaling).
+                (d, f16::from_f32(-16.0 * d.to_f32()), q)
+            }
             QuantKind::Q4K => {
                 let s = &row[(b / 8) * 144..(b / 8 + 1) * 144];
                 let (d, dmin) = (half(s, 0).to_f32(), half(s, 2).to_f32());
@@ -361,6 +381,8 @@ impl QuantRows {
                 let (d, m) = (d.to_f32(), m.to_f32());
                 if self.kind == QuantKind::Q8_0 {
                     out.extend(q.iter().map(|&c| d * (c as i32 - 128) as f32));
+                } else if self.kind == QuantKind::Q5_0 {
+                    out.extend(q.iter().map(|&c| d * (c as i32 - 16) as f32));
                 } else {
                     out.extend(q.iter().map(|&c| d * c as f32 + m));
                 }
@@ -405,38 +427,46 @@ impl PackedF16 {
 /// Codes: for 8-bit, 8 groups of `[16 columns][4 values]` (512 bytes); for 4-bit, 4 groups of
 /// `[16 columns][4 bytes]` (256 bytes) whose low nibbles are values 4g..4g+4 and high nibbles
 /// values 16+4g..16+4g+4, which is GGUF's own nibble order, so packing only regroups bytes.
+/// 5-bit codes (Q5_0) are 4-bit codes plus a plane of their fifth bits after them: per group,
+/// a 64-bit mask for the low nibbles' values, then one for the high nibbles' (bit `4c + t` is
+/// the byte `[c][t]`'s), 64 bytes in all, so a 512-bit register's 64 codes take one masked add.
 pub struct PackedQuant {
     k: usize,
     n: usize,
     bits4: bool,
+    /// A plane of fifth bits follows the 4-bit codes (Q5_0).
+    high: bool,
     /// The code that means zero (Q8_0: 128, Q4_0: 8), or `None` when offsets `m` are stored.
     zero: Option<u8>,
     data: Vec<u8>,
 }
 
 impl PackedQuant {
-    fn codes_bytes(bits4: bool) -> usize {
-        if bits4 {
-            256
-        } else {
-            512
+    /// Where a panel-block's scales start: after its codes (and fifth-bit plane).
+    fn codes_bytes(bits4: bool, high: bool) -> usize {
+        match (bits4, high) {
+            (true, false) => 256,
+            (true, true) => 256 + HIGH_PLANE,
+            _ => 512,
         }
     }
-    fn stride(bits4: bool, offsets: bool) -> usize {
-        Self::codes_bytes(bits4) + if offsets { 64 } else { 32 }
+    fn stride(bits4: bool, high: bool, offsets: bool) -> usize {
+        Self::codes_bytes(bits4, high) + if offsets { 64 } else { 32 }
     }
 
     pub fn pack(q: &QuantRows) -> Self {
         let (n, k) = (q.n, q.k);
         let bits4 = q.kind != QuantKind::Q8_0;
+        let high = q.kind == QuantKind::Q5_0;
         let zero = match q.kind {
             QuantKind::Q8_0 => Some(128),
             QuantKind::Q4_0 => Some(8),
+            QuantKind::Q5_0 => Some(16),
             QuantKind::Q4_1 | QuantKind::Q4K => None,
         };
         let nb = k / QK;
-        let stride = Self::stride(bits4, zero.is_none());
-        let codes = Self::codes_bytes(bits4);
+        let stride = Self::stride(bits4, high, zero.is_none());
+        let codes = Self::codes_bytes(bits4, high);
         let panels = n.div_ceil(PANEL);
         let mut data = vec![0u8; panels * nb * stride];
         data.par_chunks_mut(nb * stride).enumerate().for_each(|(p, panel)| {
@@ -474,6 +504,23 @@ impl PackedQuant {
                             }
                             continue;
                         }
+                        QuantKind::Q5_0 => {
+                            let qs = &blk[6..22];
+                            for g in 0..4 {
+                                dst[g * 64 + c * 4..g * 64 + c * 4 + 4].copy_from_slice(&qs[4 * g..4 * g + 4]);
+                            }
+                            let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
+                            for g in 0..4 {
+                                for t in 0..4 {
+                                    let (lo, hi) = ((qh >> (4 * g + t)) & 1, (qh >> (16 + 4 * g + t)) & 1);
+                                    let bit = 4 * c + t;
+                                    dst[256 + 16 * g + bit / 8] |= (lo as u8) << (bit % 8);
+                                    dst[256 + 16 * g + 8 + bit / 8] |= (hi as u8) << (bit % 8);
+                                }
+                            }
+                            dst[codes + 2 * c..codes + 2 * c + 2].copy_from_slice(&blk[0..2]);
+                            continue;
+                        }
                         QuantKind::Q4K => {}
                     }
                     let (d, m, vals) = q.block_of(row, b);
@@ -497,7 +544,7 @@ impl PackedQuant {
                 }
             }
         });
-        PackedQuant { k, n, bits4, zero, data }
+        PackedQuant { k, n, bits4, high, zero, data }
     }
 }
 
@@ -614,6 +661,7 @@ impl CpuWeight {
             CpuWeight::F32(_) => "f32",
             CpuWeight::F16(_) => "f16",
             CpuWeight::Bf16(_) => "bf16",
+            CpuWeight::Quant(w) if w.high => "q5",
             CpuWeight::Quant(w) if w.bits4 => "q4",
             CpuWeight::Quant(_) => "q8_0",
         }
@@ -830,8 +878,8 @@ fn matmul_quant(x: &[f32], m: usize, w: &PackedQuant) -> Vec<f32> {
 fn quant_block(a: &QuantActs, m: usize, w: &PackedQuant, p0: usize, p1: usize, out: OutPtr) {
     let (k, n) = (w.k, w.n);
     let nb = k / QK;
-    let stride = PackedQuant::stride(w.bits4, w.zero.is_none());
-    let codes = PackedQuant::codes_bytes(w.bits4);
+    let stride = PackedQuant::stride(w.bits4, w.high, w.zero.is_none());
+    let codes = PackedQuant::codes_bytes(w.bits4, w.high);
     for p in p0..p1 {
         for i in 0..m {
             let mut acc = [0f32; PANEL];
@@ -845,8 +893,14 @@ fn quant_block(a: &QuantActs, m: usize, w: &PackedQuant, p0: usize, p1: usize, o
                         for g in 0..4 {
                             for t in 0..4 {
                                 let byte = blk[g * 64 + c * 4 + t];
-                                isum += (byte & 0x0f) as i32 * xq[4 * g + t] as i32;
-                                isum += (byte >> 4) as i32 * xq[16 + 4 * g + t] as i32;
+                                let (mut lo, mut hi) = ((byte & 0x0f) as i32, (byte >> 4) as i32);
+                                if w.high {
+                                    let bit = 4 * c + t;
+                                    lo |= (((blk[256 + 16 * g + bit / 8] >> (bit % 8)) & 1) as i32) << 4;
+                                    hi |= (((blk[256 + 16 * g + 8 + bit / 8] >> (bit % 8)) & 1) as i32) << 4;
+                                }
+                                isum += lo * xq[4 * g + t] as i32;
+                                isum += hi * xq[16 + 4 * g + t] as i32;
                             }
                         }
                     } else {
@@ -885,14 +939,16 @@ mod avx512_quant {
     /// How far ahead (in blocks of one panel) the weight stream is prefetched into L2.
     const PREFETCH_BLOCKS: usize = 24;
 
-    /// `MR` rows x `NR` panels; 8-bit or 4-bit codes.
+    /// `MR` rows x `NR` panels; 8-bit or 4-bit codes, the latter with a fifth-bit plane when
+    /// `H` (each set bit adds 16 to its code with one masked byte add).
     #[inline(always)]
-    unsafe fn tile<const MR: usize, const NR: usize, const B4: bool, const OFS: bool>(a: &QuantActs, w: &PackedQuant, i0: usize, p0: usize, out: OutPtr) {
+    unsafe fn tile<const MR: usize, const NR: usize, const B4: bool, const H: bool, const OFS: bool>(a: &QuantActs, w: &PackedQuant, i0: usize, p0: usize, out: OutPtr) {
         let (k, n) = (w.k, w.n);
         let nb = k / QK;
-        let stride = PackedQuant::stride(B4, OFS);
+        let stride = PackedQuant::stride(B4, H, OFS);
         let zero = w.zero.unwrap_or(0) as i32;
-        let codes = PackedQuant::codes_bytes(B4);
+        let codes = PackedQuant::codes_bytes(B4, H);
+        let sixteen = _mm512_set1_epi8(16);
         let base = w.data.as_ptr();
         let xq = a.q.as_ptr();
         let low = _mm512_set1_epi8(0x0f);
@@ -930,6 +986,11 @@ mod avx512_quant {
                         let raw = _mm512_loadu_si512(blk[jj].add(g * 64) as *const _);
                         lo[jj] = _mm512_and_si512(raw, low);
                         hi[jj] = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), low);
+                        if H {
+                            let plane = blk[jj].add(256 + 16 * g) as *const u64;
+                            lo[jj] = _mm512_mask_add_epi8(lo[jj], plane.read_unaligned(), lo[jj], sixteen);
+                            hi[jj] = _mm512_mask_add_epi8(hi[jj], plane.add(1).read_unaligned(), hi[jj], sixteen);
+                        }
                     }
                     for ii in 0..MR {
                         let row = xq.add((i0 + ii) * k + b * QK);
@@ -996,33 +1057,35 @@ mod avx512_quant {
     }
 
     #[inline(always)]
-    unsafe fn panels<const NR: usize, const B4: bool, const OFS: bool>(a: &QuantActs, m: usize, w: &PackedQuant, p: usize, out: OutPtr) {
+    unsafe fn panels<const NR: usize, const B4: bool, const H: bool, const OFS: bool>(a: &QuantActs, m: usize, w: &PackedQuant, p: usize, out: OutPtr) {
         let mut i = 0;
         if NR == 1 {
             while i + 8 <= m {
-                tile::<8, 1, B4, OFS>(a, w, i, p, out);
+                tile::<8, 1, B4, H, OFS>(a, w, i, p, out);
                 i += 8;
             }
         }
         while i + 4 <= m {
-            tile::<4, NR, B4, OFS>(a, w, i, p, out);
+            tile::<4, NR, B4, H, OFS>(a, w, i, p, out);
             i += 4;
         }
         match m - i {
-            3 => tile::<3, NR, B4, OFS>(a, w, i, p, out),
-            2 => tile::<2, NR, B4, OFS>(a, w, i, p, out),
-            1 => tile::<1, NR, B4, OFS>(a, w, i, p, out),
+            3 => tile::<3, NR, B4, H, OFS>(a, w, i, p, out),
+            2 => tile::<2, NR, B4, H, OFS>(a, w, i, p, out),
+            1 => tile::<1, NR, B4, H, OFS>(a, w, i, p, out),
             _ => {}
         }
     }
 
     #[inline(always)]
     unsafe fn panels_of<const NR: usize>(a: &QuantActs, m: usize, w: &PackedQuant, p: usize, out: OutPtr) {
-        match (w.bits4, w.zero.is_none()) {
-            (true, true) => panels::<NR, true, true>(a, m, w, p, out),
-            (true, false) => panels::<NR, true, false>(a, m, w, p, out),
-            (false, true) => panels::<NR, false, true>(a, m, w, p, out),
-            (false, false) => panels::<NR, false, false>(a, m, w, p, out),
+        // Fifth bits come only with a fixed zero code (Q5_0).
+        match (w.bits4, w.high, w.zero.is_none()) {
+            (true, true, _) => panels::<NR, true, true, false>(a, m, w, p, out),
+            (true, false, true) => panels::<NR, true, false, true>(a, m, w, p, out),
+            (true, false, false) => panels::<NR, true, false, false>(a, m, w, p, out),
+            (false, _, true) => panels::<NR, false, false, true>(a, m, w, p, out),
+            (false, _, false) => panels::<NR, false, false, false>(a, m, w, p, out),
         }
     }
 
@@ -1074,12 +1137,12 @@ mod avx2_quant {
     /// tokens 16.5 -> 13.8 and 31.1 -> 26.6 ms. The nineteenth session had chosen half-panel
     /// tiles from single `kbench` runs on a noisier machine.
     #[inline(always)]
-    unsafe fn tile<const MR: usize, const B4: bool, const OFS: bool>(a: &QuantActs, w: &PackedQuant, i0: usize, p: usize, out: OutPtr) {
+    unsafe fn tile<const MR: usize, const B4: bool, const H: bool, const OFS: bool>(a: &QuantActs, w: &PackedQuant, i0: usize, p: usize, out: OutPtr) {
         let (k, n) = (w.k, w.n);
         let nb = k / QK;
-        let stride = PackedQuant::stride(B4, OFS);
+        let stride = PackedQuant::stride(B4, H, OFS);
         let zero = w.zero.unwrap_or(0) as i32;
-        let codes = PackedQuant::codes_bytes(B4);
+        let codes = PackedQuant::codes_bytes(B4, H);
         let xq = a.q.as_ptr();
         let low = _mm256_set1_epi8(0x0f);
         let ones = _mm256_set1_epi16(1);
@@ -1103,6 +1166,11 @@ mod avx2_quant {
                         let raw = _mm256_loadu_si256(blk.add(g * 64 + j * 32) as *const __m256i);
                         lo[j] = _mm256_and_si256(raw, low);
                         hi[j] = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), low);
+                        if H {
+                            let plane = blk.add(256 + 16 * g) as *const u64;
+                            lo[j] = _mm256_or_si256(lo[j], fifth_bits((plane.read_unaligned() >> (32 * j)) as u32));
+                            hi[j] = _mm256_or_si256(hi[j], fifth_bits((plane.add(1).read_unaligned() >> (32 * j)) as u32));
+                        }
                     }
                     for (ii, s) in s16.iter_mut().enumerate() {
                         let row = xq.add((i0 + ii) * k + b * QK);
@@ -1112,10 +1180,22 @@ mod avx2_quant {
                             s[j] = _mm256_add_epi16(s[j], _mm256_add_epi16(_mm256_maddubs_epi16(lo[j], xl), _mm256_maddubs_epi16(hi[j], xh)));
                         }
                     }
+                    // 5-bit pairs reach 2 * 31 * 127 = 7,874: two groups' four of them per
+                    // lane (31,496) still fit 16 bits, a whole block's would not.
+                    if H && g % 2 == 1 {
+                        for (is, s) in isum.iter_mut().zip(s16.iter_mut()) {
+                            for j in 0..HALVES {
+                                is[j] = _mm256_add_epi32(is[j], _mm256_madd_epi16(s[j], ones));
+                                s[j] = _mm256_setzero_si256();
+                            }
+                        }
+                    }
                 }
-                for (is, s) in isum.iter_mut().zip(&s16) {
-                    for j in 0..HALVES {
-                        is[j] = _mm256_madd_epi16(s[j], ones);
+                if !H {
+                    for (is, s) in isum.iter_mut().zip(&s16) {
+                        for j in 0..HALVES {
+                            is[j] = _mm256_madd_epi16(s[j], ones);
+                        }
                     }
                 }
             } else {
@@ -1173,19 +1253,29 @@ mod avx2_quant {
         }
     }
 
+    /// 16 for each set bit of `bits` in its byte (bit t -> byte t), 0 elsewhere: the fifth
+    /// bits of 32 codes.
+    #[inline(always)]
+    unsafe fn fifth_bits(bits: u32) -> __m256i {
+        let idx = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+        let sel = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+        let spread = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(bits as i32), idx), sel);
+        _mm256_and_si256(_mm256_cmpeq_epi8(spread, sel), _mm256_set1_epi8(16))
+    }
+
     /// All rows of panel `p`, in as few tiles of at most 4 rows as that allows, their sizes as
     /// even as possible.
     #[inline(always)]
-    unsafe fn panel<const B4: bool, const OFS: bool>(a: &QuantActs, m: usize, w: &PackedQuant, p: usize, out: OutPtr) {
+    unsafe fn panel<const B4: bool, const H: bool, const OFS: bool>(a: &QuantActs, m: usize, w: &PackedQuant, p: usize, out: OutPtr) {
         let tiles = m.div_ceil(4);
         let mut i = 0;
         for t in 0..tiles {
             let rows = (m - i).div_ceil(tiles - t);
             match rows {
-                4 => tile::<4, B4, OFS>(a, w, i, p, out),
-                3 => tile::<3, B4, OFS>(a, w, i, p, out),
-                2 => tile::<2, B4, OFS>(a, w, i, p, out),
-                _ => tile::<1, B4, OFS>(a, w, i, p, out),
+                4 => tile::<4, B4, H, OFS>(a, w, i, p, out),
+                3 => tile::<3, B4, H, OFS>(a, w, i, p, out),
+                2 => tile::<2, B4, H, OFS>(a, w, i, p, out),
+                _ => tile::<1, B4, H, OFS>(a, w, i, p, out),
             }
             i += rows;
         }
@@ -1198,11 +1288,13 @@ mod avx2_quant {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn block(a: &QuantActs, m: usize, w: &PackedQuant, p0: usize, p1: usize, out: OutPtr) {
         for p in p0..p1 {
-            match (w.bits4, w.zero.is_none()) {
-                (true, true) => panel::<true, true>(a, m, w, p, out),
-                (true, false) => panel::<true, false>(a, m, w, p, out),
-                (false, true) => panel::<false, true>(a, m, w, p, out),
-                (false, false) => panel::<false, false>(a, m, w, p, out),
+            // Fifth bits come only with a fixed zero code (Q5_0).
+            match (w.bits4, w.high, w.zero.is_none()) {
+                (true, true, _) => panel::<true, true, false>(a, m, w, p, out),
+                (true, false, true) => panel::<true, false, true>(a, m, w, p, out),
+                (true, false, false) => panel::<true, false, false>(a, m, w, p, out),
+                (false, _, true) => panel::<false, false, true>(a, m, w, p, out),
+                (false, _, false) => panel::<false, false, false>(a, m, w, p, out),
             }
         }
     }
@@ -1304,6 +1396,48 @@ mod tests {
         QuantRows::new(QuantKind::Q4_0, n, k, bytes).unwrap()
     }
 
+    /// Q5_0 blocks by llama.cpp's rule (the value of largest magnitude maps to code 0, d = max
+    /// / -16), so every code 0..=31 and both fifth bits occur.
+    fn q5_0_rows(w: &[f32], n: usize, k: usize) -> QuantRows {
+        let mut bytes = Vec::new();
+        for block in w.chunks_exact(QK) {
+            let max = block.iter().cloned().fold(0f32, |a, v| if v.abs() > a.abs() { v } else { a });
+            let d = max / -16.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            let q: Vec<u32> = block.iter().map(|&v| ((v * id + 16.5) as i32).clamp(0, 31) as u32).collect();
+            let qh = q.iter().enumerate().fold(0u32, |h, (i, &c)| h | ((c >> 4) << i));
+            bytes.extend_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
+            bytes.extend_from_slice(&qh.to_le_bytes());
+            for i in 0..16 {
+                bytes.push(((q[i] & 15) | ((q[i + 16] & 15) << 4)) as u8);
+            }
+        }
+        QuantRows::new(QuantKind::Q5_0, n, k, bytes).unwrap()
+    }
+
+    /// Q5_0 dequantises to d * (q - 16) with the fifth bit from `qh`, and its codes span 0..=31.
+    #[test]
+    fn q5_0_blocks_read_their_fifth_bits() {
+        let (n, k) = (3, 64);
+        let w = rand_vec(n * k, 31);
+        let q = q5_0_rows(&w, n, k);
+        let deq = q.dequantize();
+        let mut codes = std::collections::BTreeSet::new();
+        for j in 0..n {
+            for b in 0..k / QK {
+                let (d, _, c) = q.block_of(q.row(j), b);
+                codes.extend(c);
+                for (t, &code) in c.iter().enumerate() {
+                    assert_eq!(deq[j * k + b * QK + t], d.to_f32() * (code as f32 - 16.0));
+                    let want = w[j * k + b * QK + t];
+                    assert!((deq[j * k + b * QK + t] - want).abs() <= d.to_f32().abs() * 0.51 + 1e-3, "[{j}, {}]", b * QK + t);
+                }
+            }
+        }
+        assert!(codes.contains(&0) && codes.contains(&31) && codes.len() > 28, "{codes:?}");
+        assert_eq!(QuantKind::from_ggml(candle_core::quantized::GgmlDType::Q5_0), Some(QuantKind::Q5_0));
+    }
+
     /// Each format against f32 arithmetic on its own dequantised weights, within the error of
     /// quantizing the activations (8-bit per 32-value block: well under 2% of sum |x w|).
     #[test]
@@ -1325,6 +1459,10 @@ mod tests {
             {
                 let q = q4_0_rows(&w, n, k);
                 ("q4_0", CpuWeight::Quant(PackedQuant::pack(&q)), q.dequantize(), 0.02)
+            },
+            {
+                let q = q5_0_rows(&w, n, k);
+                ("q5_0", CpuWeight::Quant(PackedQuant::pack(&q)), q.dequantize(), 0.02)
             },
         ];
         for (name, cw, wd, tol) in cases {
@@ -1360,7 +1498,7 @@ mod tests {
         let mut port = vec![0f32; 6 * n];
         f16_block(&x, 6, &f, 0, n.div_ceil(PANEL), OutPtr(port.as_mut_ptr()));
         assert_eq!(port, matmul_f16(&x, 6, &f));
-        for q in [QuantRows::quantize_q8_0(&w, n, k).unwrap(), q4_1_rows(&w, n, k), q4_0_rows(&w, n, k)] {
+        for q in [QuantRows::quantize_q8_0(&w, n, k).unwrap(), q4_1_rows(&w, n, k), q4_0_rows(&w, n, k), q5_0_rows(&w, n, k)] {
             let pq = PackedQuant::pack(&q);
             let mut port = vec![0f32; 6 * n];
             quant_block(&quantize_acts(&x, 6, k), 6, &pq, 0, n.div_ceil(PANEL), OutPtr(port.as_mut_ptr()));
@@ -1370,7 +1508,8 @@ mod tests {
 
     /// The AVX2 kernels (f16 tiles, integer blocks) give the portable kernels' bits for every
     /// row count, wherever AVX2 runs: Q8_0 with every code including 0 (-128 after centring,
-    /// the one whose size needs the unsigned byte), Q4_1 and Q4_0.
+    /// the one whose size needs the unsigned byte), Q4_1, Q4_0 and Q5_0 (activations of
+    /// full scale against codes up to 31: the 16-bit sums' worst case).
     #[test]
     fn avx2_kernels_match_portable_bits() {
         if !crate::cpu::isa::has_avx2() {
@@ -1394,7 +1533,7 @@ mod tests {
             unsafe { crate::cpu::matmul::avx2_packed::block_of(&x, m, k, n, f.data.as_ptr(), 0, panels, OutPtr(got.as_mut_ptr())) };
             assert_eq!(got, port, "f16 at m={m}");
             let acts = quantize_acts(&x, m, k);
-            for q in [&q8, &q4_1_rows(&w, n, k), &q4_0_rows(&w, n, k)] {
+            for q in [&q8, &q4_1_rows(&w, n, k), &q4_0_rows(&w, n, k), &q5_0_rows(&w, n, k)] {
                 let pq = PackedQuant::pack(q);
                 let mut port = vec![0f32; m * n];
                 quant_block(&acts, m, &pq, 0, panels, OutPtr(port.as_mut_ptr()));
@@ -1404,6 +1543,20 @@ mod tests {
                 assert_eq!(got, port, "{:?} at m={m}", q.kind);
             }
         }
+        // Q5_0's worst case for 16-bit sums: code 31 everywhere but one, activations all 127.
+        let ws: Vec<f32> = (0..n * k).map(|i| if i % QK == 0 { -1.0 } else { 0.9375 }).collect();
+        let q5 = q5_0_rows(&ws, n, k);
+        let x = vec![1.0f32; 3 * k];
+        let acts = quantize_acts(&x, 3, k);
+        let pq = PackedQuant::pack(&q5);
+        let mut port = vec![0f32; 3 * n];
+        quant_block(&acts, 3, &pq, 0, n.div_ceil(PANEL), OutPtr(port.as_mut_ptr()));
+        let mut got = vec![f32::NAN; 3 * n];
+        #[cfg(target_arch = "x86_64")]
+        unsafe { avx2_quant::block(&acts, 3, &pq, 0, n.div_ceil(PANEL), OutPtr(got.as_mut_ptr())) };
+        assert_eq!(got, port, "Q5_0 at full scale");
+        let want = q5.dequantize()[..k].iter().sum::<f32>();
+        assert!((port[0] - want).abs() < 1e-3 * want.abs(), "{} vs {want}", port[0]);
     }
 
     /// The SIMD activation quantizer gives the scalar one's codes, scales and sums, including
