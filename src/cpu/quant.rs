@@ -111,6 +111,10 @@ pub enum QuantKind {
     /// 5-bit codes, value = d * (q - 16): the low 4 bits as Q4_0's nibbles, the fifth bits in
     /// one 32-bit word per block (Gemma 3's Q4_K_M files keep most projections in it).
     Q5_0,
+    /// 256-value super-blocks of sixteen 16-value sub-blocks, 6-bit codes, value = d * sc *
+    /// (q - 32) with an 8-bit scale `sc` per sub-block (the lm_head and half the down
+    /// projections of common Q4_K_M files). Each sub-block's d·sc is kept in f16, as Q4_K's.
+    Q6K,
     /// 256-value super-blocks of eight 32-value sub-blocks with 6-bit scales and mins (the
     /// format of the common Q4_K_M files). Each sub-block's scale d·sc and offset -dmin·m are
     /// stored in f16 in the panels: within 2^-12 relative of the file's own, far below the
@@ -122,7 +126,7 @@ impl QuantKind {
     /// Values per GGUF block.
     pub fn block_values(self) -> usize {
         match self {
-            QuantKind::Q4K => 256,
+            QuantKind::Q4K | QuantKind::Q6K => 256,
             _ => QK,
         }
     }
@@ -133,6 +137,7 @@ impl QuantKind {
             QuantKind::Q4_0 => 18,
             QuantKind::Q4_1 => 20,
             QuantKind::Q5_0 => 22,
+            QuantKind::Q6K => 210,
             QuantKind::Q4K => 144,
         }
     }
@@ -142,6 +147,7 @@ impl QuantKind {
             QuantKind::Q4_0 => "q4_0",
             QuantKind::Q4_1 => "q4_1",
             QuantKind::Q5_0 => "q5_0",
+            QuantKind::Q6K => "q6_k",
             QuantKind::Q4K => "q4_k",
         }
     }
@@ -153,6 +159,7 @@ impl QuantKind {
             G::Q4_0 => Some(QuantKind::Q4_0),
             G::Q4_1 => Some(QuantKind::Q4_1),
             G::Q5_0 => Some(QuantKind::Q5_0),
+            G::Q6K => Some(QuantKind::Q6K),
             G::Q4K => Some(QuantKind::Q4K),
             _ => None,
         }
@@ -315,6 +322,8 @@ impl QuantRows {
 
     /// The block `b` of a row's bytes as (scale, offset, 32 unsigned codes): value = d * code + m.
     /// Q8_0 codes are stored +128 so every format feeds the unsigned operand of `vpdpbusd`.
+    /// Q6_K has no offset but two scales: (d·sc of values 0..16, d·sc of 16..32, codes), value
+    /// = scale * (code - 32).
     fn block_of(&self, row: &[u8], b: usize) -> (f16, f16, [u8; QK]) {
         let half = |s: &[u8], at: usize| f16::from_bits(u16::from_le_bytes([s[at], s[at + 1]]));
         let mut q = [0u8; QK];
@@ -354,6 +363,21 @@ impl QuantRows {
                 // d * (q - 16): an offset of -16d, exact in f16 (a power-of-two scaling).
                 (d, f16::from_f32(-16.0 * d.to_f32()), q)
             }
+            QuantKind::Q6K => {
+                // llama.cpp's layout: 128 bytes of low nibbles, 64 of high bit pairs, 16 scales,
+                // d. Per 128-value half: value l + 32j has nibble j / 2 of ql[l + 32 (j % 2)]
+                // and bit pair j of qh[l].
+                let s = &row[(b / 8) * 210..(b / 8 + 1) * 210];
+                let d = half(s, 208).to_f32();
+                let (half128, j) = ((b % 8) / 4, (b % 8) % 4);
+                let (ql, qh) = (&s[64 * half128..], &s[128 + 32 * half128..]);
+                for (l, o) in q.iter_mut().enumerate() {
+                    let nib = (ql[l + 32 * (j % 2)] >> (4 * (j / 2))) & 0x0f;
+                    *o = nib | (((qh[l] >> (2 * j)) & 3) << 4);
+                }
+                let sc = |i: usize| s[192 + 8 * half128 + i] as i8 as f32;
+                (f16::from_f32(d * sc(2 * j)), f16::from_f32(d * sc(2 * j + 1)), q)
+            }
             QuantKind::Q4K => {
                 let s = &row[(b / 8) * 144..(b / 8 + 1) * 144];
                 let (d, dmin) = (half(s, 0).to_f32(), half(s, 2).to_f32());
@@ -383,6 +407,8 @@ impl QuantRows {
                     out.extend(q.iter().map(|&c| d * (c as i32 - 128) as f32));
                 } else if self.kind == QuantKind::Q5_0 {
                     out.extend(q.iter().map(|&c| d * (c as i32 - 16) as f32));
+                } else if self.kind == QuantKind::Q6K {
+                    out.extend(q.iter().enumerate().map(|(t, &c)| if t < 16 { d } else { m } * (c as i32 - 32) as f32));
                 } else {
                     out.extend(q.iter().map(|&c| d * c as f32 + m));
                 }
@@ -430,38 +456,49 @@ impl PackedF16 {
 /// 5-bit codes (Q5_0) are 4-bit codes plus a plane of their fifth bits after them: per group,
 /// a 64-bit mask for the low nibbles' values, then one for the high nibbles' (bit `4c + t` is
 /// the byte `[c][t]`'s), 64 bytes in all, so a 512-bit register's 64 codes take one masked add.
+/// 6-bit codes (Q6_K) have two such planes per group: per nibble half, the fifth bits' mask and
+/// then the sixth bits'. Their blocks store two scales per column (values 0..16 and 16..32,
+/// one per sub-block) where others store a scale and an offset.
 pub struct PackedQuant {
     k: usize,
     n: usize,
     bits4: bool,
-    /// A plane of fifth bits follows the 4-bit codes (Q5_0).
-    high: bool,
+    /// Planes of higher bits after the 4-bit codes: 1 (Q5_0) or 2 (Q6_K, which also has two
+    /// scales per block).
+    high: u8,
     /// The code that means zero (Q8_0: 128, Q4_0: 8), or `None` when offsets `m` are stored.
     zero: Option<u8>,
     data: Vec<u8>,
 }
 
 impl PackedQuant {
-    /// Where a panel-block's scales start: after its codes (and fifth-bit plane).
-    fn codes_bytes(bits4: bool, high: bool) -> usize {
-        match (bits4, high) {
-            (true, false) => 256,
-            (true, true) => 256 + HIGH_PLANE,
-            _ => 512,
+    /// Where a panel-block's scales start: after its codes (and higher-bit planes).
+    fn codes_bytes(bits4: bool, high: u8) -> usize {
+        if bits4 {
+            256 + HIGH_PLANE * high as usize
+        } else {
+            512
         }
     }
-    fn stride(bits4: bool, high: bool, offsets: bool) -> usize {
-        Self::codes_bytes(bits4, high) + if offsets { 64 } else { 32 }
+    /// Bytes per panel-block: codes, then 16 f16 scales, then 16 f16 offsets (or Q6_K's second
+    /// scales).
+    fn stride(bits4: bool, high: u8, offsets: bool) -> usize {
+        Self::codes_bytes(bits4, high) + if offsets || high == 2 { 64 } else { 32 }
     }
 
     pub fn pack(q: &QuantRows) -> Self {
         let (n, k) = (q.n, q.k);
         let bits4 = q.kind != QuantKind::Q8_0;
-        let high = q.kind == QuantKind::Q5_0;
+        let high = match q.kind {
+            QuantKind::Q5_0 => 1,
+            QuantKind::Q6K => 2,
+            _ => 0,
+        };
         let zero = match q.kind {
             QuantKind::Q8_0 => Some(128),
             QuantKind::Q4_0 => Some(8),
             QuantKind::Q5_0 => Some(16),
+            QuantKind::Q6K => Some(32),
             QuantKind::Q4_1 | QuantKind::Q4K => None,
         };
         let nb = k / QK;
@@ -521,13 +558,21 @@ impl PackedQuant {
                             dst[codes + 2 * c..codes + 2 * c + 2].copy_from_slice(&blk[0..2]);
                             continue;
                         }
-                        QuantKind::Q4K => {}
+                        QuantKind::Q4K | QuantKind::Q6K => {}
                     }
                     let (d, m, vals) = q.block_of(row, b);
                     if bits4 {
                         for g in 0..4 {
                             for i in 0..4 {
-                                dst[g * 64 + c * 4 + i] = vals[4 * g + i] | (vals[16 + 4 * g + i] << 4);
+                                let (lo, hi) = (vals[4 * g + i], vals[16 + 4 * g + i]);
+                                dst[g * 64 + c * 4 + i] = (lo & 0x0f) | ((hi & 0x0f) << 4);
+                                // Higher bits into their planes (Q6_K: two per nibble half).
+                                let bit = 4 * c + i;
+                                for h in 0..high as usize {
+                                    let plane = 256 + g * 16 * high as usize;
+                                    dst[plane + 8 * h + bit / 8] |= ((lo >> (4 + h)) & 1) << (bit % 8);
+                                    dst[plane + 8 * (high as usize + h) + bit / 8] |= ((hi >> (4 + h)) & 1) << (bit % 8);
+                                }
                             }
                         }
                     } else {
@@ -538,7 +583,7 @@ impl PackedQuant {
                         }
                     }
                     dst[codes + 2 * c..codes + 2 * c + 2].copy_from_slice(&d.to_bits().to_le_bytes());
-                    if zero.is_none() {
+                    if zero.is_none() || high == 2 {
                         dst[codes + 32 + 2 * c..codes + 34 + 2 * c].copy_from_slice(&m.to_bits().to_le_bytes());
                     }
                 }
@@ -661,7 +706,8 @@ impl CpuWeight {
             CpuWeight::F32(_) => "f32",
             CpuWeight::F16(_) => "f16",
             CpuWeight::Bf16(_) => "bf16",
-            CpuWeight::Quant(w) if w.high => "q5",
+            CpuWeight::Quant(w) if w.high == 2 => "q6",
+            CpuWeight::Quant(w) if w.high == 1 => "q5",
             CpuWeight::Quant(w) if w.bits4 => "q4",
             CpuWeight::Quant(_) => "q8_0",
         }
@@ -733,6 +779,9 @@ struct QuantActs {
     /// offset term: the kernel broadcasts it from memory instead of multiplying and
     /// broadcasting from a register once per block, row and panel.
     dsum: Vec<f32>,
+    /// The code sum of each block's first 16 values, for Q6_K weights only (their two
+    /// sub-blocks subtract their zero codes apart); empty otherwise.
+    sum_lo: Vec<i32>,
 }
 
 /// Rounds to nearest, ties to even, for |x| < 2^22 with plain adds the compiler vectorises
@@ -745,7 +794,7 @@ fn round_small(x: f32) -> f32 {
 
 fn quantize_acts(x: &[f32], m: usize, k: usize) -> QuantActs {
     let nb = k / QK;
-    let mut a = QuantActs { q: vec![0; m * k], d: vec![0.0; m * nb], sum: vec![0; m * nb], dsum: Vec::new() };
+    let mut a = QuantActs { q: vec![0; m * k], d: vec![0.0; m * nb], sum: vec![0; m * nb], dsum: Vec::new(), sum_lo: Vec::new() };
     let (simd, avx2) = (vnni(), crate::cpu::isa::has_avx2());
     let row = |x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [i32]| {
         #[cfg(target_arch = "x86_64")]
@@ -848,7 +897,10 @@ unsafe fn quantize_row_avx2(x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [i
 
 fn matmul_quant(x: &[f32], m: usize, w: &PackedQuant) -> Vec<f32> {
     assert_eq!(x.len(), m * w.k, "x has {} values, expected {m}x{}", x.len(), w.k);
-    let acts = quantize_acts(x, m, w.k);
+    let mut acts = quantize_acts(x, m, w.k);
+    if w.high == 2 {
+        acts.sum_lo = acts.q.chunks_exact(QK).map(|b| b[..16].iter().map(|&c| c as i32).sum()).collect();
+    }
     let vnni = vnni();
     let avx2 = crate::cpu::isa::has_avx2();
     // SAFETY: the panel ranges cover every column, and each panel writes all rows.
@@ -874,7 +926,8 @@ fn matmul_quant(x: &[f32], m: usize, w: &PackedQuant) -> Vec<f32> {
 
 /// Portable integer kernel with the same per-block float steps as the VNNI one:
 /// `acc = fma(isum, d_w * d_x, acc); acc = fma(m_w, d_x * sum_x, acc)` with stored offsets, and
-/// `acc = fma(isum - zero * sum_x, d_w * d_x, acc)` without.
+/// `acc = fma(isum - zero * sum_x, d_w * d_x, acc)` without; Q6_K takes the last step once per
+/// 16-value half with its own scale, first half first.
 fn quant_block(a: &QuantActs, m: usize, w: &PackedQuant, p0: usize, p1: usize, out: OutPtr) {
     let (k, n) = (w.k, w.n);
     let nb = k / QK;
@@ -889,19 +942,26 @@ fn quant_block(a: &QuantActs, m: usize, w: &PackedQuant, p0: usize, p1: usize, o
                 let (dx, sx) = (a.d[i * nb + b], a.sum[i * nb + b]);
                 for (c, acc) in acc.iter_mut().enumerate() {
                     let mut isum = 0i32;
+                    // Q6_K: the sums of values 0..16 and 16..32 apart (two scales).
+                    let mut isum_hi = 0i32;
                     if w.bits4 {
+                        let high = w.high as usize;
                         for g in 0..4 {
                             for t in 0..4 {
                                 let byte = blk[g * 64 + c * 4 + t];
                                 let (mut lo, mut hi) = ((byte & 0x0f) as i32, (byte >> 4) as i32);
-                                if w.high {
-                                    let bit = 4 * c + t;
-                                    lo |= (((blk[256 + 16 * g + bit / 8] >> (bit % 8)) & 1) as i32) << 4;
-                                    hi |= (((blk[256 + 16 * g + 8 + bit / 8] >> (bit % 8)) & 1) as i32) << 4;
+                                let bit = 4 * c + t;
+                                for h in 0..high {
+                                    let plane = 256 + g * 16 * high;
+                                    lo |= (((blk[plane + 8 * h + bit / 8] >> (bit % 8)) & 1) as i32) << (4 + h);
+                                    hi |= (((blk[plane + 8 * (high + h) + bit / 8] >> (bit % 8)) & 1) as i32) << (4 + h);
                                 }
                                 isum += lo * xq[4 * g + t] as i32;
-                                isum += hi * xq[16 + 4 * g + t] as i32;
+                                isum_hi += hi * xq[16 + 4 * g + t] as i32;
                             }
+                        }
+                        if high < 2 {
+                            isum += isum_hi;
                         }
                     } else {
                         for g in 0..8 {
@@ -912,6 +972,12 @@ fn quant_block(a: &QuantActs, m: usize, w: &PackedQuant, p0: usize, p1: usize, o
                     }
                     let dw = f16::from_bits(u16::from_le_bytes([blk[codes + 2 * c], blk[codes + 2 * c + 1]])).to_f32();
                     match w.zero {
+                        Some(z) if w.high == 2 => {
+                            let dw2 = f16::from_bits(u16::from_le_bytes([blk[codes + 32 + 2 * c], blk[codes + 33 + 2 * c]])).to_f32();
+                            let slo = a.sum_lo[i * nb + b];
+                            *acc = ((isum - z as i32 * slo) as f32).mul_add(dw * dx, *acc);
+                            *acc = ((isum_hi - z as i32 * (sx - slo)) as f32).mul_add(dw2 * dx, *acc);
+                        }
                         Some(z) => *acc = ((isum - z as i32 * sx) as f32).mul_add(dw * dx, *acc),
                         None => {
                             let mw = f16::from_bits(u16::from_le_bytes([blk[codes + 32 + 2 * c], blk[codes + 33 + 2 * c]])).to_f32();
@@ -939,16 +1005,22 @@ mod avx512_quant {
     /// How far ahead (in blocks of one panel) the weight stream is prefetched into L2.
     const PREFETCH_BLOCKS: usize = 24;
 
-    /// `MR` rows x `NR` panels; 8-bit or 4-bit codes, the latter with a fifth-bit plane when
-    /// `H` (each set bit adds 16 to its code with one masked byte add).
+    /// `MR` rows x `NR` panels; 8-bit or 4-bit codes, the latter with `H` planes of higher
+    /// bits (each set bit adds 16 or 32 to its code with one masked byte add); with two (Q6_K)
+    /// each half of a block keeps its own integer sum for its own scale.
     #[inline(always)]
-    unsafe fn tile<const MR: usize, const NR: usize, const B4: bool, const H: bool, const OFS: bool>(a: &QuantActs, w: &PackedQuant, i0: usize, p0: usize, out: OutPtr) {
+    unsafe fn tile<const MR: usize, const NR: usize, const B4: bool, const H: u8, const OFS: bool>(a: &QuantActs, w: &PackedQuant, i0: usize, p0: usize, out: OutPtr) {
         let (k, n) = (w.k, w.n);
         let nb = k / QK;
         let stride = PackedQuant::stride(B4, H, OFS);
         let zero = w.zero.unwrap_or(0) as i32;
         let codes = PackedQuant::codes_bytes(B4, H);
-        let sixteen = _mm512_set1_epi8(16);
+        let (sixteen, thirty_two) = (_mm512_set1_epi8(16), _mm512_set1_epi8(32));
+        // Tiles with few outputs use two integer accumulators per output (exact, so
+        // splitting changes no bits) for enough independent chains to hide vpdpbusd's
+        // latency; 4x2 tiles have enough already and would run out of registers. Q6_K's
+        // halves need theirs apart anyway.
+        let split = H == 2 || MR <= 2 || (NR == 1 && MR <= 8);
         let base = w.data.as_ptr();
         let xq = a.q.as_ptr();
         let low = _mm512_set1_epi8(0x0f);
@@ -974,9 +1046,6 @@ mod avx512_quant {
                     o += 64;
                 }
             }
-            // Tiles with few outputs use two integer accumulators per output (exact, so
-            // splitting changes no bits) for enough independent chains to hide vpdpbusd's
-            // latency; 4x2 tiles have enough already and would run out of registers.
             let mut isum2 = [[_mm512_setzero_si512(); NR]; MR];
             if B4 {
                 for g in 0..4 {
@@ -986,10 +1055,14 @@ mod avx512_quant {
                         let raw = _mm512_loadu_si512(blk[jj].add(g * 64) as *const _);
                         lo[jj] = _mm512_and_si512(raw, low);
                         hi[jj] = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), low);
-                        if H {
-                            let plane = blk[jj].add(256 + 16 * g) as *const u64;
+                        if H > 0 {
+                            let plane = blk[jj].add(256 + g * 16 * H as usize) as *const u64;
                             lo[jj] = _mm512_mask_add_epi8(lo[jj], plane.read_unaligned(), lo[jj], sixteen);
-                            hi[jj] = _mm512_mask_add_epi8(hi[jj], plane.add(1).read_unaligned(), hi[jj], sixteen);
+                            hi[jj] = _mm512_mask_add_epi8(hi[jj], plane.add(H as usize).read_unaligned(), hi[jj], sixteen);
+                            if H == 2 {
+                                lo[jj] = _mm512_mask_add_epi8(lo[jj], plane.add(1).read_unaligned(), lo[jj], thirty_two);
+                                hi[jj] = _mm512_mask_add_epi8(hi[jj], plane.add(3).read_unaligned(), hi[jj], thirty_two);
+                            }
                         }
                     }
                     for ii in 0..MR {
@@ -998,7 +1071,7 @@ mod avx512_quant {
                         let xh = _mm512_set1_epi32((row.add(16 + 4 * g) as *const i32).read_unaligned());
                         for jj in 0..NR {
                             isum[ii][jj] = _mm512_dpbusd_epi32(isum[ii][jj], lo[jj], xl);
-                            if MR <= 2 || (NR == 1 && MR <= 8) {
+                            if split {
                                 isum2[ii][jj] = _mm512_dpbusd_epi32(isum2[ii][jj], hi[jj], xh);
                             } else {
                                 isum[ii][jj] = _mm512_dpbusd_epi32(isum[ii][jj], hi[jj], xh);
@@ -1020,7 +1093,7 @@ mod avx512_quant {
                         let xb = _mm512_set1_epi32((row.add(8 * g + 4) as *const i32).read_unaligned());
                         for jj in 0..NR {
                             isum[ii][jj] = _mm512_dpbusd_epi32(isum[ii][jj], wa[jj], xa);
-                            if MR <= 2 || (NR == 1 && MR <= 8) {
+                            if split {
                                 isum2[ii][jj] = _mm512_dpbusd_epi32(isum2[ii][jj], wb[jj], xb);
                             } else {
                                 isum[ii][jj] = _mm512_dpbusd_epi32(isum[ii][jj], wb[jj], xb);
@@ -1029,7 +1102,7 @@ mod avx512_quant {
                     }
                 }
             }
-            if MR <= 2 || (NR == 1 && MR <= 8) {
+            if split && H != 2 {
                 for ii in 0..MR {
                     for jj in 0..NR {
                         isum[ii][jj] = _mm512_add_epi32(isum[ii][jj], isum2[ii][jj]);
@@ -1042,7 +1115,15 @@ mod avx512_quant {
                     let dx = *a.d.get_unchecked((i0 + ii) * nb + b);
                     let sx = *a.sum.get_unchecked((i0 + ii) * nb + b);
                     let scale = _mm512_mul_ps(dw, _mm512_set1_ps(dx));
-                    if OFS {
+                    if H == 2 {
+                        // Q6_K: each half with its own zero-code sum and scale, first half first.
+                        let dw2 = _mm512_cvtph_ps(_mm256_loadu_si256(blk[jj].add(codes + 32) as *const __m256i));
+                        let slo = *a.sum_lo.get_unchecked((i0 + ii) * nb + b);
+                        let ia = _mm512_sub_epi32(isum[ii][jj], _mm512_set1_epi32(zero * slo));
+                        let ib = _mm512_sub_epi32(isum2[ii][jj], _mm512_set1_epi32(zero * (sx - slo)));
+                        acc[ii][jj] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), scale, acc[ii][jj]);
+                        acc[ii][jj] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ib), _mm512_mul_ps(dw2, _mm512_set1_ps(dx)), acc[ii][jj]);
+                    } else if OFS {
                         let mw = _mm512_cvtph_ps(_mm256_loadu_si256(blk[jj].add(codes + 32) as *const __m256i));
                         acc[ii][jj] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[ii][jj]), scale, acc[ii][jj]);
                         acc[ii][jj] = _mm512_fmadd_ps(mw, _mm512_set1_ps(*a.dsum.get_unchecked((i0 + ii) * nb + b)), acc[ii][jj]);
@@ -1057,7 +1138,7 @@ mod avx512_quant {
     }
 
     #[inline(always)]
-    unsafe fn panels<const NR: usize, const B4: bool, const H: bool, const OFS: bool>(a: &QuantActs, m: usize, w: &PackedQuant, p: usize, out: OutPtr) {
+    unsafe fn panels<const NR: usize, const B4: bool, const H: u8, const OFS: bool>(a: &QuantActs, m: usize, w: &PackedQuant, p: usize, out: OutPtr) {
         let mut i = 0;
         if NR == 1 {
             while i + 8 <= m {
@@ -1079,13 +1160,14 @@ mod avx512_quant {
 
     #[inline(always)]
     unsafe fn panels_of<const NR: usize>(a: &QuantActs, m: usize, w: &PackedQuant, p: usize, out: OutPtr) {
-        // Fifth bits come only with a fixed zero code (Q5_0).
+        // Higher bits come only with a fixed zero code (Q5_0, Q6_K).
         match (w.bits4, w.high, w.zero.is_none()) {
-            (true, true, _) => panels::<NR, true, true, false>(a, m, w, p, out),
-            (true, false, true) => panels::<NR, true, false, true>(a, m, w, p, out),
-            (true, false, false) => panels::<NR, true, false, false>(a, m, w, p, out),
-            (false, _, true) => panels::<NR, false, false, true>(a, m, w, p, out),
-            (false, _, false) => panels::<NR, false, false, false>(a, m, w, p, out),
+            (true, 1, _) => panels::<NR, true, 1, false>(a, m, w, p, out),
+            (true, 2, _) => panels::<NR, true, 2, false>(a, m, w, p, out),
+            (true, _, true) => panels::<NR, true, 0, true>(a, m, w, p, out),
+            (true, _, false) => panels::<NR, true, 0, false>(a, m, w, p, out),
+            (false, _, true) => panels::<NR, false, 0, true>(a, m, w, p, out),
+            (false, _, false) => panels::<NR, false, 0, false>(a, m, w, p, out),
         }
     }
 
@@ -1137,7 +1219,7 @@ mod avx2_quant {
     /// tokens 16.5 -> 13.8 and 31.1 -> 26.6 ms. The nineteenth session had chosen half-panel
     /// tiles from single `kbench` runs on a noisier machine.
     #[inline(always)]
-    unsafe fn tile<const MR: usize, const B4: bool, const H: bool, const OFS: bool>(a: &QuantActs, w: &PackedQuant, i0: usize, p: usize, out: OutPtr) {
+    unsafe fn tile<const MR: usize, const B4: bool, const H: u8, const OFS: bool>(a: &QuantActs, w: &PackedQuant, i0: usize, p: usize, out: OutPtr) {
         let (k, n) = (w.k, w.n);
         let nb = k / QK;
         let stride = PackedQuant::stride(B4, H, OFS);
@@ -1157,8 +1239,11 @@ mod avx2_quant {
                 o += 64;
             }
             let mut isum = [[_mm256_setzero_si256(); HALVES]; MR];
+            // Q6_K: the second half's sums apart (its own scale).
+            let mut isum2 = [[_mm256_setzero_si256(); HALVES]; MR];
             if B4 {
                 let mut s16 = [[_mm256_setzero_si256(); HALVES]; MR];
+                let mut s16b = [[_mm256_setzero_si256(); HALVES]; MR];
                 for g in 0..4 {
                     let mut lo = [_mm256_setzero_si256(); HALVES];
                     let mut hi = [_mm256_setzero_si256(); HALVES];
@@ -1166,32 +1251,47 @@ mod avx2_quant {
                         let raw = _mm256_loadu_si256(blk.add(g * 64 + j * 32) as *const __m256i);
                         lo[j] = _mm256_and_si256(raw, low);
                         hi[j] = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), low);
-                        if H {
-                            let plane = blk.add(256 + 16 * g) as *const u64;
-                            lo[j] = _mm256_or_si256(lo[j], fifth_bits((plane.read_unaligned() >> (32 * j)) as u32));
-                            hi[j] = _mm256_or_si256(hi[j], fifth_bits((plane.add(1).read_unaligned() >> (32 * j)) as u32));
+                        if H > 0 {
+                            let plane = blk.add(256 + g * 16 * H as usize) as *const u64;
+                            let bits = |h: usize| (plane.add(h).read_unaligned() >> (32 * j)) as u32;
+                            lo[j] = _mm256_or_si256(lo[j], high_bits::<16>(bits(0)));
+                            hi[j] = _mm256_or_si256(hi[j], high_bits::<16>(bits(H as usize)));
+                            if H == 2 {
+                                lo[j] = _mm256_or_si256(lo[j], high_bits::<32>(bits(1)));
+                                hi[j] = _mm256_or_si256(hi[j], high_bits::<32>(bits(3)));
+                            }
                         }
                     }
-                    for (ii, s) in s16.iter_mut().enumerate() {
+                    for (ii, (s, sb)) in s16.iter_mut().zip(s16b.iter_mut()).enumerate() {
                         let row = xq.add((i0 + ii) * k + b * QK);
                         let xl = _mm256_set1_epi32((row.add(4 * g) as *const i32).read_unaligned());
                         let xh = _mm256_set1_epi32((row.add(16 + 4 * g) as *const i32).read_unaligned());
                         for j in 0..HALVES {
-                            s[j] = _mm256_add_epi16(s[j], _mm256_add_epi16(_mm256_maddubs_epi16(lo[j], xl), _mm256_maddubs_epi16(hi[j], xh)));
+                            if H == 2 {
+                                s[j] = _mm256_add_epi16(s[j], _mm256_maddubs_epi16(lo[j], xl));
+                                sb[j] = _mm256_add_epi16(sb[j], _mm256_maddubs_epi16(hi[j], xh));
+                            } else {
+                                s[j] = _mm256_add_epi16(s[j], _mm256_add_epi16(_mm256_maddubs_epi16(lo[j], xl), _mm256_maddubs_epi16(hi[j], xh)));
+                            }
                         }
                     }
-                    // 5-bit pairs reach 2 * 31 * 127 = 7,874: two groups' four of them per
-                    // lane (31,496) still fit 16 bits, a whole block's would not.
-                    if H && g % 2 == 1 {
-                        for (is, s) in isum.iter_mut().zip(s16.iter_mut()) {
+                    // Pairs of 5-bit codes reach 2 * 31 * 127 = 7,874 and of 6-bit ones (each
+                    // half apart) 2 * 63 * 127 = 16,002: two groups' worth per lane (31,496 or
+                    // 32,004) still fit 16 bits, a whole block's would not.
+                    if H > 0 && g % 2 == 1 {
+                        for ii in 0..MR {
                             for j in 0..HALVES {
-                                is[j] = _mm256_add_epi32(is[j], _mm256_madd_epi16(s[j], ones));
-                                s[j] = _mm256_setzero_si256();
+                                isum[ii][j] = _mm256_add_epi32(isum[ii][j], _mm256_madd_epi16(s16[ii][j], ones));
+                                s16[ii][j] = _mm256_setzero_si256();
+                                if H == 2 {
+                                    isum2[ii][j] = _mm256_add_epi32(isum2[ii][j], _mm256_madd_epi16(s16b[ii][j], ones));
+                                    s16b[ii][j] = _mm256_setzero_si256();
+                                }
                             }
                         }
                     }
                 }
-                if !H {
+                if H == 0 {
                     for (is, s) in isum.iter_mut().zip(&s16) {
                         for j in 0..HALVES {
                             is[j] = _mm256_madd_epi16(s[j], ones);
@@ -1227,7 +1327,15 @@ mod avx2_quant {
                     // The sum over the codes themselves, as `vpdpbusd` gives it (8-bit codes were
                     // summed as code - 128); every step here is exact integer arithmetic.
                     let raw = if B4 { isum[ii][j] } else { _mm256_add_epi32(isum[ii][j], _mm256_set1_epi32(128 * sx)) };
-                    if OFS {
+                    if H == 2 {
+                        // Q6_K: each half with its own zero-code sum and scale, first half first.
+                        let dw2 = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(codes + 32 + j * 16) as *const __m128i));
+                        let slo = *a.sum_lo.get_unchecked((i0 + ii) * nb + b);
+                        let ia = _mm256_sub_epi32(raw, _mm256_set1_epi32(zero * slo));
+                        let ib = _mm256_sub_epi32(isum2[ii][j], _mm256_set1_epi32(zero * (sx - slo)));
+                        acc[ii][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), scale, acc[ii][j]);
+                        acc[ii][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib), _mm256_mul_ps(dw2, _mm256_set1_ps(dx)), acc[ii][j]);
+                    } else if OFS {
                         acc[ii][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(raw), scale, acc[ii][j]);
                         acc[ii][j] = _mm256_fmadd_ps(mw, _mm256_set1_ps(*a.dsum.get_unchecked((i0 + ii) * nb + b)), acc[ii][j]);
                     } else {
@@ -1253,20 +1361,20 @@ mod avx2_quant {
         }
     }
 
-    /// 16 for each set bit of `bits` in its byte (bit t -> byte t), 0 elsewhere: the fifth
-    /// bits of 32 codes.
+    /// `V` for each set bit of `bits` in its byte (bit t -> byte t), 0 elsewhere: the fifth
+    /// (16) or sixth (32) bits of 32 codes.
     #[inline(always)]
-    unsafe fn fifth_bits(bits: u32) -> __m256i {
+    unsafe fn high_bits<const V: i8>(bits: u32) -> __m256i {
         let idx = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
         let sel = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
         let spread = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(bits as i32), idx), sel);
-        _mm256_and_si256(_mm256_cmpeq_epi8(spread, sel), _mm256_set1_epi8(16))
+        _mm256_and_si256(_mm256_cmpeq_epi8(spread, sel), _mm256_set1_epi8(V))
     }
 
     /// All rows of panel `p`, in as few tiles of at most 4 rows as that allows, their sizes as
     /// even as possible.
     #[inline(always)]
-    unsafe fn panel<const B4: bool, const H: bool, const OFS: bool>(a: &QuantActs, m: usize, w: &PackedQuant, p: usize, out: OutPtr) {
+    unsafe fn panel<const B4: bool, const H: u8, const OFS: bool>(a: &QuantActs, m: usize, w: &PackedQuant, p: usize, out: OutPtr) {
         let tiles = m.div_ceil(4);
         let mut i = 0;
         for t in 0..tiles {
@@ -1288,13 +1396,14 @@ mod avx2_quant {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn block(a: &QuantActs, m: usize, w: &PackedQuant, p0: usize, p1: usize, out: OutPtr) {
         for p in p0..p1 {
-            // Fifth bits come only with a fixed zero code (Q5_0).
+            // Higher bits come only with a fixed zero code (Q5_0, Q6_K).
             match (w.bits4, w.high, w.zero.is_none()) {
-                (true, true, _) => panel::<true, true, false>(a, m, w, p, out),
-                (true, false, true) => panel::<true, false, true>(a, m, w, p, out),
-                (true, false, false) => panel::<true, false, false>(a, m, w, p, out),
-                (false, _, true) => panel::<false, false, true>(a, m, w, p, out),
-                (false, _, false) => panel::<false, false, false>(a, m, w, p, out),
+                (true, 1, _) => panel::<true, 1, false>(a, m, w, p, out),
+                (true, 2, _) => panel::<true, 2, false>(a, m, w, p, out),
+                (true, _, true) => panel::<true, 0, true>(a, m, w, p, out),
+                (true, _, false) => panel::<true, 0, false>(a, m, w, p, out),
+                (false, _, true) => panel::<false, 0, true>(a, m, w, p, out),
+                (false, _, false) => panel::<false, 0, false>(a, m, w, p, out),
             }
         }
     }
@@ -1373,7 +1482,8 @@ mod tests {
         assert!(!Staged::can_stack(&[a, b]));
         assert!(pack_values(&ws[1], 16, k + 1, WeightFormat::F32).is_err());
         assert_eq!(QuantKind::from_ggml(candle_core::quantized::GgmlDType::Q4K), Some(QuantKind::Q4K));
-        assert_eq!(QuantKind::from_ggml(candle_core::quantized::GgmlDType::Q6K), None);
+        assert_eq!(QuantKind::from_ggml(candle_core::quantized::GgmlDType::Q6K), Some(QuantKind::Q6K));
+        assert_eq!(QuantKind::from_ggml(candle_core::quantized::GgmlDType::Q5_1), None);
     }
 
     fn q4_1_rows(w: &[f32], n: usize, k: usize) -> QuantRows {
@@ -1436,6 +1546,80 @@ mod tests {
         }
         assert!(codes.contains(&0) && codes.contains(&31) && codes.len() > 28, "{codes:?}");
         assert_eq!(QuantKind::from_ggml(candle_core::quantized::GgmlDType::Q5_0), Some(QuantKind::Q5_0));
+    }
+
+    /// Q5_0 and Q6_K rows decode as candle's own dequantisation of the same bytes: Q5_0 exactly,
+    /// Q6_K within the f16 rounding of each sub-block's d·sc.
+    #[test]
+    fn q5_0_and_q6_k_decode_as_candle_does() {
+        use candle_core::quantized::{GgmlDType, QTensor};
+        use candle_core::{Device, Tensor};
+        let (n, k) = (6, 512);
+        let w = Tensor::from_vec(rand_vec(n * k, 41), (n, k), &Device::Cpu).unwrap();
+        for (dtype, kind) in [(GgmlDType::Q5_0, QuantKind::Q5_0), (GgmlDType::Q6K, QuantKind::Q6K)] {
+            let q = QTensor::quantize(&w, dtype).unwrap();
+            let rows = QuantRows::new(kind, n, k, q.data().unwrap().to_vec()).unwrap();
+            let want: Vec<f32> = q.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            let got = rows.dequantize();
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                let tol = if kind == QuantKind::Q5_0 { 0.0 } else { b.abs() * 1e-3 + 1e-6 };
+                assert!((a - b).abs() <= tol, "{kind:?} [{i}]: {a} vs {b}");
+            }
+        }
+    }
+
+    /// Q6_K rows as candle quantizes them (k = 512: two super-blocks).
+    fn q6_k_rows(w: &[f32], n: usize, k: usize) -> QuantRows {
+        use candle_core::quantized::{GgmlDType, QTensor};
+        let t = candle_core::Tensor::from_vec(w.to_vec(), (n, k), &candle_core::Device::Cpu).unwrap();
+        let q = QTensor::quantize(&t, GgmlDType::Q6K).unwrap();
+        QuantRows::new(QuantKind::Q6K, n, k, q.data().unwrap().to_vec()).unwrap()
+    }
+
+    /// Q6_K through every kernel: close to f32 arithmetic on its dequantised weights, the same
+    /// bits for any row count, and the same bits on the portable, AVX2 and AVX-512 paths,
+    /// including codes of 63 against activations of 127 (the AVX2 16-bit sums' worst case).
+    #[test]
+    fn q6_k_kernels_agree_and_are_batch_invariant() {
+        let (n, k) = (40, 512);
+        let w = rand_vec(n * k, 43);
+        // Row 0: every code 63 with scale 1 (ql and qh all ones, scales 1, d 1).
+        let mut bytes = q6_k_rows(&w, n, k).row_range(0, n);
+        for sb in 0..k / 256 {
+            let blk = &mut bytes[sb * 210..(sb + 1) * 210];
+            blk[..192].fill(0xff);
+            blk[192..208].fill(1);
+            blk[208..210].copy_from_slice(&f16::from_f32(1.0).to_bits().to_le_bytes());
+        }
+        let q = QuantRows::new(QuantKind::Q6K, n, k, bytes).unwrap();
+        let wd = q.dequantize();
+        assert!(wd[..k].iter().all(|&v| v == 31.0));
+        let pq = PackedQuant::pack(&q);
+        let cw = CpuWeight::Quant(PackedQuant::pack(&q));
+        let mut x = rand_vec(13 * k, 44);
+        x[..k].fill(1.0);
+        let all = cw.matmul(&x, 13);
+        let want = reference(&x, 13, k, &wd, n);
+        for i in 0..13 {
+            for j in 0..n {
+                let mag: f32 = (0..k).map(|t| (x[i * k + t] * wd[j * k + t]).abs()).sum();
+                assert!((all[i * n + j] - want[i * n + j]).abs() <= 0.02 * mag + 1e-6, "[{i},{j}] {} vs {}", all[i * n + j], want[i * n + j]);
+            }
+        }
+        for m in [1usize, 2, 3, 4, 5, 8, 9, 12] {
+            assert_eq!(cw.matmul(&x[..m * k], m), all[..m * n].to_vec(), "rows differ between m={m} and m=13");
+            let mut acts = quantize_acts(&x[..m * k], m, k);
+            acts.sum_lo = acts.q.chunks_exact(QK).map(|b| b[..16].iter().map(|&c| c as i32).sum()).collect();
+            let mut port = vec![0f32; m * n];
+            quant_block(&acts, m, &pq, 0, n.div_ceil(PANEL), OutPtr(port.as_mut_ptr()));
+            assert_eq!(port, all[..m * n].to_vec(), "portable at m={m}");
+            #[cfg(target_arch = "x86_64")]
+            if crate::cpu::isa::has_avx2() {
+                let mut got = vec![f32::NAN; m * n];
+                unsafe { avx2_quant::block(&acts, m, &pq, 0, n.div_ceil(PANEL), OutPtr(got.as_mut_ptr())) };
+                assert_eq!(got, port, "AVX2 at m={m}");
+            }
+        }
     }
 
     /// Each format against f32 arithmetic on its own dequantised weights, within the error of

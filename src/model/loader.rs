@@ -318,7 +318,7 @@ impl WeightSource for GgufSource<'_> {
                 }))
             }
             // No kernel reads these blocks as they are: f32 and f16 keep their precision,
-            // other types (Q5_1, Q6_K, ...) are requantised to Q8_0.
+            // other types (Q5_1, Q2_K, Q3_K, Q5_K, ...) are requantised to Q8_0.
             _ if e.dtype == GgmlDType::F32 => values(WeightFormat::F32),
             _ if e.dtype == GgmlDType::F16 => values(WeightFormat::F16),
             _ => values(WeightFormat::Q8_0),
