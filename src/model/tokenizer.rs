@@ -108,14 +108,11 @@ impl Tokenizer {
         let eos_id = get_u32("tokenizer.ggml.eos_token_id");
         let unk_id = get_u32("tokenizer.ggml.unknown_token_id");
         // Control (3) and user-defined (4) tokens are matched whole, never split by the model.
-        let added: Vec<Json> = tokens
+        let added: Vec<tokenizers::AddedToken> = tokens
             .iter()
             .enumerate()
             .filter(|(i, _)| matches!(types.get(*i), Some(3) | Some(4)))
-            .map(|(i, t)| {
-                json!({"id": i, "content": t, "single_word": false, "lstrip": false, "rstrip": false,
-                       "normalized": false, "special": types[i] == 3})
-            })
+            .map(|(i, t)| tokenizers::AddedToken::from(t.clone(), types[i] == 3).single_word(false).lstrip(false).rstrip(false).normalized(false))
             .collect();
         let (model, normalizer, pre, decoder, add_bos_default) = match kind.as_str() {
             "gpt2" => {
@@ -123,10 +120,14 @@ impl Tokenizer {
                     Some(Ok(v)) => v.iter().map(|t| t.to_string().cloned().unwrap_or_default()).collect(),
                     _ => return Err(Error::bad_file(path, "gpt2 tokenizer without tokenizer.ggml.merges")),
                 };
-                let vocab: serde_json::Map<String, Json> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
-                let model = json!({"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-                    "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
-                    "vocab": vocab, "merges": merges});
+                let mut pairs = Vec::with_capacity(merges.len());
+                for (i, m) in merges.iter().enumerate() {
+                    match m.split_once(' ') {
+                        Some((a, b)) => pairs.push((a.to_string(), b.to_string())),
+                        None => return Err(Error::bad_file(path, format!("merge {i} ({m:?}) is not two pieces separated by a space"))),
+                    }
+                }
+                let model = bpe(path, &tokens, pairs, |b| b)?;
                 let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
                 let pre_name = get_str("tokenizer.ggml.pre").unwrap_or_else(|| "default".into());
                 let pre = match pre_name.as_str() {
@@ -158,7 +159,15 @@ impl Tokenizer {
                 if let Some((i, t)) = tokens.iter().enumerate().find(|(_, t)| t.len() > MAX_SPM_PIECE_BYTES) {
                     return Err(Error::bad_file(path, format!("vocabulary piece {i} is {} bytes long; a SentencePiece vocabulary's pieces may be at most {MAX_SPM_PIECE_BYTES}", t.len())));
                 }
-                let model = spm_merges_model(&tokens, &scores, &types, unk_id);
+                let merges = spm_merges(&tokens, &scores, &types);
+                let unk = unk_id.and_then(|u| tokens.get(u as usize)).cloned();
+                let model = bpe(path, &tokens, merges, |b| {
+                    let b = b.fuse_unk(true).byte_fallback(true);
+                    match unk {
+                        Some(u) => b.unk_token(u),
+                        None => b,
+                    }
+                })?;
                 let prefix = get_bool("tokenizer.ggml.add_space_prefix").unwrap_or(true);
                 let mut norms = vec![];
                 if prefix {
@@ -179,10 +188,23 @@ impl Tokenizer {
             }
             other => return Err(Error::unsupported(path, format!("tokenizer kind '{other}' (supported: gpt2, llama)"))),
         };
-        let doc = json!({"version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
-            "normalizer": normalizer, "pre_tokenizer": pre, "post_processor": null, "decoder": decoder, "model": model});
-        let inner = tokenizers::Tokenizer::from_bytes(doc.to_string().as_bytes())
-            .map_err(|e| Error::bad_file(path, format!("cannot build the tokenizer from GGUF metadata: {e}")))?;
+        // The model is built directly and the small parts from their JSON: a whole tokenizer
+        // document through `from_bytes` serialised and parsed every vocabulary entry and merge
+        // again (Gemma 3's 262,144 pieces: a second of start-up and ~0.5 GB of transient
+        // memory, most of it fresh pages the kernel had to zero).
+        let bad = |e: &dyn std::fmt::Display| Error::bad_file(path, format!("cannot build the tokenizer from GGUF metadata: {e}"));
+        let mut inner = tokenizers::Tokenizer::new(model);
+        if !normalizer.is_null() {
+            let n: tokenizers::NormalizerWrapper = serde_json::from_value(normalizer).map_err(|e| bad(&e))?;
+            inner.with_normalizer(Some(n)).map_err(|e| bad(&e))?;
+        }
+        if !pre.is_null() {
+            let p: tokenizers::PreTokenizerWrapper = serde_json::from_value(pre).map_err(|e| bad(&e))?;
+            inner.with_pre_tokenizer(Some(p));
+        }
+        let d: tokenizers::DecoderWrapper = serde_json::from_value(decoder).map_err(|e| bad(&e))?;
+        inner.with_decoder(Some(d));
+        inner.add_tokens(added).map_err(|e| bad(&e))?;
         let name = |id: Option<u32>| id.and_then(|i| tokens.get(i as usize).cloned()).unwrap_or_default();
         let mut eos_ids: Vec<u32> = eos_id.into_iter().collect();
         add_chat_stops(&inner, &mut eos_ids);
@@ -207,7 +229,7 @@ pub const MAX_SPM_PIECE_BYTES: usize = 1024;
 /// outside the vocabulary. Every split of a piece into two pieces becomes a merge, ranked by
 /// the piece's score. A Unigram (Viterbi) model over the same scores splits differently: with
 /// Gemma 3's, "The capital of France is" came out as ten pieces where llama.cpp has five.
-fn spm_merges_model(tokens: &[String], scores: &[f64], types: &[i32], unk_id: Option<u32>) -> Json {
+fn spm_merges(tokens: &[String], scores: &[f64], types: &[i32]) -> Vec<(String, String)> {
     // Normal (1) and unused (5) pieces take part in merges; control, user-defined and byte
     // tokens are matched otherwise.
     let mergeable = |i: usize| matches!(types.get(i), None | Some(1) | Some(5));
@@ -225,10 +247,20 @@ fn spm_merges_model(tokens: &[String], scores: &[f64], types: &[i32], unk_id: Op
     }
     // Highest score first; a piece's splits together, left part shortest first.
     merges.sort_by(|x, y| y.0.total_cmp(&x.0).then(x.1.cmp(&y.1)).then(tokens[x.2].len().cmp(&tokens[y.2].len())));
-    let merges: Vec<Json> = merges.iter().map(|&(_, _, a, b)| json!([tokens[a], tokens[b]])).collect();
-    let vocab: serde_json::Map<String, Json> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
-    json!({"type": "BPE", "dropout": null, "unk_token": unk_id.and_then(|u| tokens.get(u as usize)).cloned(), "continuing_subword_prefix": null,
-        "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true, "ignore_merges": false, "vocab": vocab, "merges": merges})
+    merges.iter().map(|&(_, _, a, b)| (tokens[a].clone(), tokens[b].clone())).collect()
+}
+
+/// The BPE model over `tokens` (ids in order; a repeated piece takes its last id, as llama.cpp's
+/// map and the JSON vocabulary built before did) and `merges`, with `options` applied to the
+/// builder.
+fn bpe(path: &Path, tokens: &[String], merges: Vec<(String, String)>, options: impl FnOnce(tokenizers::models::bpe::BpeBuilder) -> tokenizers::models::bpe::BpeBuilder) -> Result<tokenizers::models::bpe::BPE> {
+    let mut vocab = ahash::AHashMap::with_capacity(tokens.len());
+    for (i, t) in tokens.iter().enumerate() {
+        vocab.insert(t.clone(), i as u32);
+    }
+    options(tokenizers::models::bpe::BPE::builder().vocab_and_merges(vocab, merges))
+        .build()
+        .map_err(|e| Error::bad_file(path, format!("cannot build the tokenizer from GGUF metadata: {e}")))
 }
 
 /// End-of-turn markers of common chat formats also end generation.
