@@ -27,7 +27,8 @@ use crate::cpu::team::for_each_panel_range;
 use crate::cpu::matmul::{written_by, OutPtr, PackedWeight, PANEL};
 use crate::{Error, Result};
 
-/// Values per quantization block (Q8_0, Q4_0 and Q4_1 all use 32).
+/// Values per quantization block of the kernels (Q8_0, Q4_0, Q4_1 and Q5_0 blocks; Q4_K's and
+/// Q6_K's 256-value super-blocks are read as eight of them).
 pub const QK: usize = 32;
 
 /// Bytes of a panel-block's fifth-bit plane (5-bit codes): one bit per code, 16 x 32 codes.
@@ -408,7 +409,7 @@ impl QuantRows {
                 } else if self.kind == QuantKind::Q5_0 {
                     out.extend(q.iter().map(|&c| d * (c as i32 - 16) as f32));
                 } else if self.kind == QuantKind::Q6K {
-                    out.extend(q.iter().enumerate().map(|(t, &c)| if t < 16 { d } else { m } * (c as i32 - 32) as f32));
+                    out.extend(q.iter().enumerate().map(|(t, &c)| (if t < 16 { d } else { m }) * (c as i32 - 32) as f32));
                 } else {
                     out.extend(q.iter().map(|&c| d * c as f32 + m));
                 }
@@ -466,7 +467,8 @@ pub struct PackedQuant {
     /// Planes of higher bits after the 4-bit codes: 1 (Q5_0) or 2 (Q6_K, which also has two
     /// scales per block).
     high: u8,
-    /// The code that means zero (Q8_0: 128, Q4_0: 8), or `None` when offsets `m` are stored.
+    /// The code that means zero (Q8_0: 128, Q4_0: 8, Q5_0: 16, Q6_K: 32), or `None` when
+    /// offsets `m` are stored (Q4_1, Q4_K). Q6_K's offset slot holds its second scales.
     zero: Option<u8>,
     data: Vec<u8>,
 }
@@ -792,6 +794,13 @@ fn round_small(x: f32) -> f32 {
     (x + MAGIC) - MAGIC
 }
 
+impl QuantActs {
+    /// Fill `sum_lo`, which Q6_K weights need (the kernels check it is there).
+    fn add_half_sums(&mut self) {
+        self.sum_lo = self.q.chunks_exact(QK).map(|b| b[..16].iter().map(|&c| c as i32).sum()).collect();
+    }
+}
+
 fn quantize_acts(x: &[f32], m: usize, k: usize) -> QuantActs {
     let nb = k / QK;
     let mut a = QuantActs { q: vec![0; m * k], d: vec![0.0; m * nb], sum: vec![0; m * nb], dsum: Vec::new(), sum_lo: Vec::new() };
@@ -899,7 +908,7 @@ fn matmul_quant(x: &[f32], m: usize, w: &PackedQuant) -> Vec<f32> {
     assert_eq!(x.len(), m * w.k, "x has {} values, expected {m}x{}", x.len(), w.k);
     let mut acts = quantize_acts(x, m, w.k);
     if w.high == 2 {
-        acts.sum_lo = acts.q.chunks_exact(QK).map(|b| b[..16].iter().map(|&c| c as i32).sum()).collect();
+        acts.add_half_sums();
     }
     let vnni = vnni();
     let avx2 = crate::cpu::isa::has_avx2();
@@ -933,6 +942,7 @@ fn quant_block(a: &QuantActs, m: usize, w: &PackedQuant, p0: usize, p1: usize, o
     let nb = k / QK;
     let stride = PackedQuant::stride(w.bits4, w.high, w.zero.is_none());
     let codes = PackedQuant::codes_bytes(w.bits4, w.high);
+    assert!(w.high != 2 || a.sum_lo.len() == a.sum.len(), "Q6_K weights need the activations' half sums");
     for p in p0..p1 {
         for i in 0..m {
             let mut acc = [0f32; PANEL];
@@ -1021,6 +1031,7 @@ mod avx512_quant {
         // latency; 4x2 tiles have enough already and would run out of registers. Q6_K's
         // halves need theirs apart anyway.
         let split = H == 2 || MR <= 2 || (NR == 1 && MR <= 8);
+        assert!(H != 2 || a.sum_lo.len() == a.sum.len(), "Q6_K weights need the activations' half sums");
         let base = w.data.as_ptr();
         let xq = a.q.as_ptr();
         let low = _mm512_set1_epi8(0x0f);
@@ -1175,8 +1186,9 @@ mod avx512_quant {
     pub unsafe fn block(a: &QuantActs, m: usize, w: &PackedQuant, p0: usize, p1: usize, out: OutPtr) {
         // From 8 rows on, tiles of 8 rows x 1 panel: the panel's codes, unpacked once, serve
         // twice as many rows as in a 4x2 tile (5% faster 8- and 16-row forwards, native).
+        // Q6_K keeps each half's sums apart, so 4x2 tiles would run out of registers: 1 panel.
         let mut p = p0;
-        while m < 8 && p + 2 <= p1 {
+        while m < 8 && w.high != 2 && p + 2 <= p1 {
             panels_of::<2>(a, m, w, p, out);
             p += 2;
         }
@@ -1194,7 +1206,8 @@ mod avx512_quant {
 ///
 /// Why the pairs cannot overflow 16 bits: activation codes lie in [-127, 127]. A 4-bit pair is
 /// at most 2 * 15 * 127 = 3,810 in size, so a block's 8 of them per lane (30,480) still fit
-/// and are added in 16 bits before one widening. 8-bit codes are taken as `code - 128` in
+/// and are added in 16 bits before one widening; 5-bit pairs (7,874) and 6-bit ones (16,002,
+/// each half of a block apart) are widened every two groups. 8-bit codes are taken as `code - 128` in
 /// [-128, 127] with the sign moved onto the activation (`vpsignb`), so a pair is at most
 /// 2 * 128 * 127 = 32,512, widened one at a time; `128 * sum(x)` added back gives the codes'
 /// own sum.
@@ -1220,6 +1233,7 @@ mod avx2_quant {
     /// tiles from single `kbench` runs on a noisier machine.
     #[inline(always)]
     unsafe fn tile<const MR: usize, const B4: bool, const H: u8, const OFS: bool>(a: &QuantActs, w: &PackedQuant, i0: usize, p: usize, out: OutPtr) {
+        assert!(H != 2 || a.sum_lo.len() == a.sum.len(), "Q6_K weights need the activations' half sums");
         let (k, n) = (w.k, w.n);
         let nb = k / QK;
         let stride = PackedQuant::stride(B4, H, OFS);
@@ -1594,8 +1608,8 @@ mod tests {
         let q = QuantRows::new(QuantKind::Q6K, n, k, bytes).unwrap();
         let wd = q.dequantize();
         assert!(wd[..k].iter().all(|&v| v == 31.0));
-        let pq = PackedQuant::pack(&q);
         let cw = CpuWeight::Quant(PackedQuant::pack(&q));
+        let CpuWeight::Quant(pq) = &cw else { unreachable!() };
         let mut x = rand_vec(13 * k, 44);
         x[..k].fill(1.0);
         let all = cw.matmul(&x, 13);
@@ -1609,7 +1623,7 @@ mod tests {
         for m in [1usize, 2, 3, 4, 5, 8, 9, 12] {
             assert_eq!(cw.matmul(&x[..m * k], m), all[..m * n].to_vec(), "rows differ between m={m} and m=13");
             let mut acts = quantize_acts(&x[..m * k], m, k);
-            acts.sum_lo = acts.q.chunks_exact(QK).map(|b| b[..16].iter().map(|&c| c as i32).sum()).collect();
+            acts.add_half_sums();
             let mut port = vec![0f32; m * n];
             quant_block(&acts, m, &pq, 0, n.div_ceil(PANEL), OutPtr(port.as_mut_ptr()));
             assert_eq!(port, all[..m * n].to_vec(), "portable at m={m}");

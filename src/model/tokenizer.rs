@@ -122,8 +122,10 @@ impl Tokenizer {
                 };
                 let mut pairs = Vec::with_capacity(merges.len());
                 for (i, m) in merges.iter().enumerate() {
-                    match m.split_once(' ') {
-                        Some((a, b)) => pairs.push((a.to_string(), b.to_string())),
+                    // As llama.cpp reads them: split at the first space after the first character.
+                    let first = m.chars().next().map_or(0, char::len_utf8);
+                    match m[first..].find(' ').map(|at| first + at) {
+                        Some(at) => pairs.push((m[..at].to_string(), m[at + 1..].to_string())),
                         None => return Err(Error::bad_file(path, format!("merge {i} ({m:?}) is not two pieces separated by a space"))),
                     }
                 }
