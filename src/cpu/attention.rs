@@ -331,6 +331,33 @@ unsafe fn attend_head_fma<E: Elem>(kv: &KvHead<E>, q: &[f32], keys: &[usize], sc
 /// Why: the portable loop widened every f16 K/V value through a function call and kept one
 /// output chain at a time; on a 2-core Zen 3, attention over a 256-token context made a
 /// 16-token forward cost 7-9x one token's.
+/// `$call` with the const `$c` set to `$chunks` (a head's 16-value chunks, 1 to 16), else
+/// `$other`: the SIMD paths compile one `group` per head size so its vectors live in registers.
+#[cfg(target_arch = "x86_64")]
+macro_rules! by_chunks {
+    ($chunks:expr, |$c:ident| $call:expr, $other:block) => {
+        match $chunks {
+            1 => { const $c: usize = 1; $call }
+            2 => { const $c: usize = 2; $call }
+            3 => { const $c: usize = 3; $call }
+            4 => { const $c: usize = 4; $call }
+            5 => { const $c: usize = 5; $call }
+            6 => { const $c: usize = 6; $call }
+            7 => { const $c: usize = 7; $call }
+            8 => { const $c: usize = 8; $call }
+            9 => { const $c: usize = 9; $call }
+            10 => { const $c: usize = 10; $call }
+            11 => { const $c: usize = 11; $call }
+            12 => { const $c: usize = 12; $call }
+            13 => { const $c: usize = 13; $call }
+            14 => { const $c: usize = 14; $call }
+            15 => { const $c: usize = 15; $call }
+            16 => { const $c: usize = 16; $call }
+            _ => $other,
+        }
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 mod attend256 {
     use super::*;
@@ -416,24 +443,11 @@ mod attend256 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn attend_group<E: Elem>(kv: &KvHead<E>, pairs: &[Pair], prefix: usize, scratch: &mut Scratch) {
         debug_assert!(kv.d.is_multiple_of(LANES) && kv.d <= MAX_D);
-        match kv.d / LANES {
-            1 => group::<E, 1>(kv, pairs, prefix, scratch),
-            2 => group::<E, 2>(kv, pairs, prefix, scratch),
-            3 => group::<E, 3>(kv, pairs, prefix, scratch),
-            4 => group::<E, 4>(kv, pairs, prefix, scratch),
-            5 => group::<E, 5>(kv, pairs, prefix, scratch),
-            6 => group::<E, 6>(kv, pairs, prefix, scratch),
-            7 => group::<E, 7>(kv, pairs, prefix, scratch),
-            8 => group::<E, 8>(kv, pairs, prefix, scratch),
-            9 => group::<E, 9>(kv, pairs, prefix, scratch),
-            10 => group::<E, 10>(kv, pairs, prefix, scratch),
-            11 => group::<E, 11>(kv, pairs, prefix, scratch),
-            12 => group::<E, 12>(kv, pairs, prefix, scratch),
-            13 => group::<E, 13>(kv, pairs, prefix, scratch),
-            14 => group::<E, 14>(kv, pairs, prefix, scratch),
-            15 => group::<E, 15>(kv, pairs, prefix, scratch),
-            _ => group::<E, 16>(kv, pairs, prefix, scratch),
-        }
+        by_chunks!(kv.d / LANES, |C| group::<E, C>(kv, pairs, prefix, scratch), {
+            for pr in pairs {
+                super::attend_head(kv, pr.q, pr.keys, scratch, std::slice::from_raw_parts_mut(pr.out.0, kv.d));
+            }
+        })
     }
 
     /// [`attend_group`] for a head of `C` 16-value chunks.
@@ -658,29 +672,11 @@ mod attend512 {
     /// Dispatches on the head size so that the per-head vectors live in registers.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn attend_group<E: Elem>(kv: &KvHead<E>, pairs: &[Pair], prefix: usize, scratch: &mut Scratch) {
-        match kv.d / LANES {
-            1 => group::<E, 1>(kv, pairs, prefix, scratch),
-            2 => group::<E, 2>(kv, pairs, prefix, scratch),
-            3 => group::<E, 3>(kv, pairs, prefix, scratch),
-            4 => group::<E, 4>(kv, pairs, prefix, scratch),
-            5 => group::<E, 5>(kv, pairs, prefix, scratch),
-            6 => group::<E, 6>(kv, pairs, prefix, scratch),
-            7 => group::<E, 7>(kv, pairs, prefix, scratch),
-            8 => group::<E, 8>(kv, pairs, prefix, scratch),
-            9 => group::<E, 9>(kv, pairs, prefix, scratch),
-            10 => group::<E, 10>(kv, pairs, prefix, scratch),
-            11 => group::<E, 11>(kv, pairs, prefix, scratch),
-            12 => group::<E, 12>(kv, pairs, prefix, scratch),
-            13 => group::<E, 13>(kv, pairs, prefix, scratch),
-            14 => group::<E, 14>(kv, pairs, prefix, scratch),
-            15 => group::<E, 15>(kv, pairs, prefix, scratch),
-            16 => group::<E, 16>(kv, pairs, prefix, scratch),
-            _ => {
-                for pr in pairs {
-                    super::attend_head(kv, pr.q, pr.keys, scratch, std::slice::from_raw_parts_mut(pr.out.0, kv.d));
-                }
+        by_chunks!(kv.d / LANES, |C| group::<E, C>(kv, pairs, prefix, scratch), {
+            for pr in pairs {
+                super::attend_head(kv, pr.q, pr.keys, scratch, std::slice::from_raw_parts_mut(pr.out.0, kv.d));
             }
-        }
+        })
     }
 
     /// One pair alone (the reference test's entry point).

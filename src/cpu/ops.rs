@@ -320,7 +320,7 @@ fn store_rows<'a, E>(c: &mut [E], (t, hkv, cap, at, d): (usize, usize, usize, us
 }
 
 /// `-2 sqrt(2/pi)`: GELU's exponent factor.
-const GELU_C: f32 = -1.595_769_1;
+const GELU_C: f32 = -1.595_769_2;
 const GELU_K: f32 = 0.044_715;
 
 /// The exponent `x` of `act(g) = g / (1 + e^x)`: `-g` for SiLU; for GELU (tanh)
@@ -476,6 +476,25 @@ mod tests {
         }
     }
 
+    /// The portable and AVX2 GLU rows give `got`'s bits (the op's own path on this machine).
+    fn same_bits_on_every_path<const GELU: bool>(x: &[f32], t: usize, n: usize, got: &[f32]) {
+        let mut port = vec![0f32; t * n];
+        for i in 0..t {
+            let row = &x[i * 2 * n..(i + 1) * 2 * n];
+            glu_row::<GELU>(&row[..n], &row[n..], &mut port[i * n..(i + 1) * n]);
+        }
+        assert_eq!(port, got, "portable bits (GELU: {GELU})");
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            let mut avx2 = vec![0f32; t * n];
+            for i in 0..t {
+                let row = &x[i * 2 * n..(i + 1) * 2 * n];
+                unsafe { glu256::<GELU>(&row[..n], &row[n..], &mut avx2[i * n..(i + 1) * n]) };
+            }
+            assert_eq!(avx2, got, "AVX2 bits (GELU: {GELU})");
+        }
+    }
+
     /// The fused SwiGLU agrees with candle's `silu(g) * u` to a few ulp, over the whole range
     /// (large |g| included), and its SIMD and portable paths give the same bits.
     #[test]
@@ -496,21 +515,7 @@ mod tests {
         for (i, (a, b)) in got.iter().zip(&want).enumerate() {
             assert!((a - b).abs() <= 4e-7 * b.abs().max(1e-30) + 1e-37, "[{i}] x {} -> {a} vs {b}", x[(i / n) * 2 * n + i % n]);
         }
-        let mut port = vec![0f32; t * n];
-        for i in 0..t {
-            let row = &x[i * 2 * n..(i + 1) * 2 * n];
-            glu_row::<false>(&row[..n], &row[n..], &mut port[i * n..(i + 1) * n]);
-        }
-        assert_eq!(port, got);
-        #[cfg(target_arch = "x86_64")]
-        if has_avx2() {
-            let mut avx2 = vec![0f32; t * n];
-            for i in 0..t {
-                let row = &x[i * 2 * n..(i + 1) * 2 * n];
-                unsafe { glu256::<false>(&row[..n], &row[n..], &mut avx2[i * n..(i + 1) * n]) };
-            }
-            assert_eq!(avx2, got, "AVX2 SwiGLU bits");
-        }
+        same_bits_on_every_path::<false>(&x, t, n, &got);
         assert!(Tensor::zeros((2, 5), candle_core::DType::F32, &Device::Cpu).unwrap().apply_op1_no_bwd(&SwiGlu).is_err());
     }
 
@@ -536,21 +541,7 @@ mod tests {
             let tol = 1e-6 * b.abs().max(us[i].abs() * gi.abs().min(1.0)) + 1e-37;
             assert!((a - b).abs() <= tol, "[{i}] g {gi} -> {a} vs {b}");
         }
-        let mut port = vec![0f32; t * n];
-        for i in 0..t {
-            let row = &x[i * 2 * n..(i + 1) * 2 * n];
-            glu_row::<true>(&row[..n], &row[n..], &mut port[i * n..(i + 1) * n]);
-        }
-        assert_eq!(port, got);
-        #[cfg(target_arch = "x86_64")]
-        if has_avx2() {
-            let mut avx2 = vec![0f32; t * n];
-            for i in 0..t {
-                let row = &x[i * 2 * n..(i + 1) * 2 * n];
-                unsafe { glu256::<true>(&row[..n], &row[n..], &mut avx2[i * n..(i + 1) * n]) };
-            }
-            assert_eq!(avx2, got, "AVX2 GELU GLU bits");
-        }
+        same_bits_on_every_path::<true>(&x, t, n, &got);
         assert!(Tensor::zeros((2, 5), candle_core::DType::F32, &Device::Cpu).unwrap().apply_op1_no_bwd(&GeluTanhGlu).is_err());
     }
 }

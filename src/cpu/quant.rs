@@ -1625,12 +1625,12 @@ mod tests {
             let mut acts = quantize_acts(&x[..m * k], m, k);
             acts.add_half_sums();
             let mut port = vec![0f32; m * n];
-            quant_block(&acts, m, &pq, 0, n.div_ceil(PANEL), OutPtr(port.as_mut_ptr()));
+            quant_block(&acts, m, pq, 0, n.div_ceil(PANEL), OutPtr(port.as_mut_ptr()));
             assert_eq!(port, all[..m * n].to_vec(), "portable at m={m}");
             #[cfg(target_arch = "x86_64")]
             if crate::cpu::isa::has_avx2() {
                 let mut got = vec![f32::NAN; m * n];
-                unsafe { avx2_quant::block(&acts, m, &pq, 0, n.div_ceil(PANEL), OutPtr(got.as_mut_ptr())) };
+                unsafe { avx2_quant::block(&acts, m, pq, 0, n.div_ceil(PANEL), OutPtr(got.as_mut_ptr())) };
                 assert_eq!(got, port, "AVX2 at m={m}");
             }
         }
