@@ -430,3 +430,45 @@ fn greedy_speculation_is_exact_past_a_sliding_window() {
         assert!(drafted > 100, "hardly anything was drafted ({drafted}): the test shows nothing");
     });
 }
+
+/// Every family's tiny model under speculation, as the Llama-family tests above check one:
+/// Qwen2's biases, Qwen3's q/k norms, Llama 3.1's rope scaling and Gemma 3's norms, GELU and
+/// scaled embeddings. Greedy output equals plain greedy decoding's, and sampling with the
+/// sibling rule draws the target's joint distribution of three tokens (chi-square), while the
+/// broken rule is caught.
+#[test]
+fn every_family_speculates_exactly() {
+    use selfspec::model::fixtures::{tiny_config, tiny_gemma3_config};
+    let base = tiny_config();
+    let mut qwen2 = base.clone();
+    qwen2.architecture = "qwen2".into();
+    qwen2.attention_bias = true;
+    let mut qwen3 = base.clone();
+    qwen3.architecture = "qwen3".into();
+    qwen3.qk_norm = true;
+    let mut llama3 = base.clone();
+    llama3.rope_scaling = Some(selfspec::model::RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position: 8 });
+    for (name, cfg) in [("qwen2", qwen2), ("qwen3", qwen3), ("llama3", llama3), ("gemma3", tiny_gemma3_config())] {
+        let (model, heads) = tiny16_of(cfg);
+        let greedy = SamplingParams::greedy();
+        for prompt in [vec![3u32, 7, 1, 3], vec![1, 2, 3, 4, 5, 6, 7, 8, 9], vec![0, 0, 15]] {
+            let stop = || StopRule { max_new_tokens: 48, eos_ids: &[] };
+            let (plain, _) = generate_plain(&model, &prompt, &greedy, &stop(), &mut rng(0), &mut |_| Ok(())).unwrap();
+            for tree in [test_tree(), auto_tree(6)] {
+                let opts = SpecOptions { tree, lookup: None, datastore: None, rule: Rule::Greedy, params: greedy.clone(), stop: stop() };
+                let (spec, _) = generate_spec(&model, &heads, &prompt, &opts, &mut rng(0), &mut |_| Ok(())).unwrap();
+                assert_eq!(spec, plain, "{name}: speculative greedy output differs from plain for {prompt:?}");
+            }
+        }
+        let prompt = [3u32, 7, 1, 3];
+        let n = 20_000;
+        let params = SamplingParams { temperature: 0.8, repetition_penalty: 1.5, ..Default::default() };
+        let exact = exact_joint(&model, &prompt, &params);
+        let counts = sample_runs(&model, &heads, &prompt, &params, Rule::Sample, test_tree(), None, n);
+        let p = chi_square_p(&counts, &exact, n);
+        assert!(p >= 0.001, "{name}: exact rule rejected: p = {p}");
+        let broken = sample_runs(&model, &heads, &prompt, &params, Rule::BrokenResampleFromTarget, test_tree(), None, n);
+        let pb = chi_square_p(&broken, &exact, n);
+        assert!(pb < 0.001, "{name}: the test failed to catch a broken rule: p = {pb}");
+    }
+}
