@@ -4,14 +4,20 @@ use super::*;
 
 pub(super) fn matmul_quant(x: &[f32], m: usize, w: &PackedQuant) -> Vec<f32> {
     assert_eq!(x.len(), m * w.k, "x has {} values, expected {m}x{}", x.len(), w.k);
-    let mut acts = quantize_acts(x, m, w.k);
+    // The activation buffers are this thread's, kept between calls (taken out while in use, so
+    // a call made from inside another just allocates its own).
+    thread_local! {
+        static ACTS: std::cell::Cell<Option<QuantActs>> = const { std::cell::Cell::new(None) };
+    }
+    let mut acts = ACTS.take().unwrap_or_default();
+    quantize_acts_into(&mut acts, x, m, w.k);
     if w.high == 2 {
-        acts.add_half_sums();
+        acts.add_half_sums(m * (w.k / QK));
     }
     let vnni = vnni();
     let avx2 = crate::cpu::isa::has_avx2();
     // SAFETY: the panel ranges cover every column, and each panel writes all rows.
-    unsafe {
+    let out = unsafe {
         written_by(m * w.n, |ptr| {
             for_each_panel_range(w.n.div_ceil(PANEL), 2, |p0, p1| {
                 #[cfg(target_arch = "x86_64")]
@@ -28,7 +34,9 @@ pub(super) fn matmul_quant(x: &[f32], m: usize, w: &PackedQuant) -> Vec<f32> {
                 quant_block(&acts, m, w, p0, p1, ptr);
             })
         })
-    }
+    };
+    ACTS.set(Some(acts));
+    out
 }
 
 /// Portable integer kernel with the same per-block float steps as the VNNI one:

@@ -175,7 +175,7 @@ fn q6_k_kernels_agree_and_are_batch_invariant() {
     for m in [1usize, 2, 3, 4, 5, 8, 9, 12] {
         assert_eq!(cw.matmul(&x[..m * k], m), all[..m * n].to_vec(), "rows differ between m={m} and m=13");
         let mut acts = quantize_acts(&x[..m * k], m, k);
-        acts.add_half_sums();
+        acts.add_half_sums(m * k / QK);
         let mut port = vec![0f32; m * n];
         quant_block(&acts, m, pq, 0, n.div_ceil(PANEL), OutPtr(port.as_mut_ptr()));
         assert_eq!(port, all[..m * n].to_vec(), "portable at m={m}");
