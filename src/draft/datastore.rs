@@ -356,7 +356,7 @@ mod tests {
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
         for vocab in [2u32, 3, 5, 12] {
             // Skewed tokens (small ids common), so that groups of every size occur.
-            let mut tok = |rng: &mut rand::rngs::StdRng| (rng.random::<f64>().powi(2) * vocab as f64) as u32;
+            let tok = |rng: &mut rand::rngs::StdRng| (rng.random::<f64>().powi(2) * vocab as f64) as u32;
             let seqs: Vec<Vec<u32>> = (0..60).map(|_| (0..rng.random_range(1..80)).map(|_| tok(&mut rng)).collect()).collect();
             let mut ds = Datastore::from_sequences(seqs).unwrap();
             for case in 0..300 {
