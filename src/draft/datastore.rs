@@ -166,21 +166,6 @@ impl Datastore {
         within.start + lo..within.start + hi
     }
 
-    /// The end of the group that starts at `i` (entries of `i..end` sharing their first
-    /// `depth` tokens, sorted, with token `tok` at `depth` at `i`): the first entry whose token
-    /// there is past `tok`. Galloping from `i`, so a small group costs a few probes however
-    /// large the range (the same entry [`Datastore::narrow`] finds).
-    fn group_end(&self, i: usize, end: usize, depth: usize, tok: u32) -> usize {
-        let mut step = 1;
-        let mut lo = i + 1;
-        while i + step < end && self.at(i + step, depth) <= tok {
-            lo = i + step + 1;
-            step *= 2;
-        }
-        let hi = (i + step).min(end);
-        lo + self.sa[lo..hi].partition_point(|&p| self.tokens.get(p as usize + depth).copied().unwrap_or(SEP) <= tok)
-    }
-
     /// Suffix-array entries that start with `pattern` (two binary searches on whole prefixes:
     /// this runs for every suffix length at every step).
     fn find(&self, pattern: &[u32]) -> Range<usize> {
@@ -211,24 +196,17 @@ impl Datastore {
             let mut out = Vec::new();
             while out.len() < max_tokens && n + out.len() < SORT_DEPTH {
                 let depth = n + out.len();
-                // Groups of equal next tokens are contiguous: step from group to group, and
-                // stop once what is left cannot change the outcome (no later group can beat
-                // the best strictly, or none could be good enough while the best is not).
-                let good = |count: usize| count >= 2 && (count as f64) >= self.min_share * r.len() as f64;
+                // Groups of equal next tokens are contiguous: step from group to group.
                 let (mut best, mut best_count, mut i) = (SEP, 0, r.start);
                 while i < r.end {
-                    let left = r.end - i;
-                    if left <= best_count || (!good(best_count) && !good(left)) {
-                        break;
-                    }
                     let tok = self.at(i, depth);
-                    let end = self.group_end(i, r.end, depth, tok);
-                    if tok != SEP && end - i > best_count {
-                        (best, best_count) = (tok, end - i);
+                    let g = self.narrow(i..r.end, depth, tok);
+                    if tok != SEP && g.len() > best_count {
+                        (best, best_count) = (tok, g.len());
                     }
-                    i = end;
+                    i = g.end;
                 }
-                if best == SEP || !good(best_count) {
+                if best == SEP || best_count < 2 || (best_count as f64) < self.min_share * r.len() as f64 {
                     break;
                 }
                 out.push(best);
@@ -312,66 +290,6 @@ mod tests {
             assert!(r.clone().all(|i| ds.tokens[ds.sa[i] as usize..].starts_with(pat)));
         }
         assert!(!ds.find(&[1, 3]).is_empty());
-    }
-
-    /// The walk over a range's groups as it was before it learned to stop early and to gallop:
-    /// every group, each found by two binary searches.
-    fn continuation_by_every_group(ds: &Datastore, context: &[u32], max_tokens: usize, longer_than: usize) -> (usize, Vec<u32>) {
-        for n in (ds.min_match.max(longer_than + 1).max(1)..=ds.max_match.min(SORT_DEPTH / 2)).rev() {
-            if context.len() < n {
-                continue;
-            }
-            let mut r = ds.find(&context[context.len() - n..]);
-            if r.is_empty() {
-                continue;
-            }
-            let mut out = Vec::new();
-            while out.len() < max_tokens && n + out.len() < SORT_DEPTH {
-                let depth = n + out.len();
-                let (mut best, mut best_count, mut i) = (SEP, 0, r.start);
-                while i < r.end {
-                    let tok = ds.at(i, depth);
-                    let g = ds.narrow(i..r.end, depth, tok);
-                    if tok != SEP && g.len() > best_count {
-                        (best, best_count) = (tok, g.len());
-                    }
-                    i = g.end;
-                }
-                if best == SEP || best_count < 2 || (best_count as f64) < ds.min_share * r.len() as f64 {
-                    break;
-                }
-                out.push(best);
-                r = ds.narrow(r, depth, best);
-            }
-            if !out.is_empty() {
-                return (n, out);
-            }
-        }
-        (0, Vec::new())
-    }
-
-    #[test]
-    fn early_stops_and_galloping_change_no_continuation() {
-        use rand::{Rng, SeedableRng};
-        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
-        for vocab in [2u32, 3, 5, 12] {
-            // Skewed tokens (small ids common), so that groups of every size occur.
-            let tok = |rng: &mut rand::rngs::StdRng| (rng.random::<f64>().powi(2) * vocab as f64) as u32;
-            let seqs: Vec<Vec<u32>> = (0..60).map(|_| (0..rng.random_range(1..80)).map(|_| tok(&mut rng)).collect()).collect();
-            let mut ds = Datastore::from_sequences(seqs).unwrap();
-            for case in 0..300 {
-                ds.min_match = 1 + case % 3;
-                ds.max_match = ds.min_match + case % 6;
-                ds.min_share = [0.0, 0.1, 0.25, 0.5, 0.9][case % 5];
-                let context: Vec<u32> = (0..rng.random_range(0..12)).map(|_| tok(&mut rng)).collect();
-                let (max_tokens, longer_than) = (1 + case % 9, case % 4);
-                assert_eq!(
-                    ds.continuation(&context, max_tokens, longer_than),
-                    continuation_by_every_group(&ds, &context, max_tokens, longer_than),
-                    "vocab {vocab}, case {case}, context {context:?}"
-                );
-            }
-        }
     }
 
     #[test]
