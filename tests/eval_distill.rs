@@ -55,7 +55,7 @@ fn eval_reports_tau_identity_and_files() {
     }
     assert_eq!(r.overall[0].node_accept_rate.len(), 3);
     let md = to_markdown(&r);
-    assert!(md.contains("bonus token counted") && md.contains("| chain |") && md.contains("Where a step's time went"));
+    assert!(md.contains("bonus token counted") && md.contains("| chain |") && md.contains("Where a step's time went") && md.contains("outside the forward"));
     let svg = to_svg(&r);
     assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
     // Marking: drafted runs are bracketed, the rest is plain.

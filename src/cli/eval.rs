@@ -89,6 +89,17 @@ fn print_eval(r: &EvalReport) {
             s.all_identical.map_or("n/a", |b| if b { "yes" } else { "NO" })
         );
     }
+    for (name, s) in r.trees.iter().zip(&r.overall) {
+        let t = &s.step_ms;
+        println!(
+            "{name}: per step, ms: draft {:.2}, tree forward {:.2}, verify {:.2}, commit {:.2} ({:.1}% outside the forward)",
+            t.draft,
+            t.forward,
+            t.verify,
+            t.commit,
+            100.0 * t.outside_forward()
+        );
+    }
     println!("per category ({}):", r.trees[0]);
     for (c, v) in &r.per_category {
         println!("  {:<12} turns {:>3}  tau {:.2}  speed-up {:.2}x", c, v[0].turns, v[0].tau, v[0].speedup);

@@ -51,10 +51,10 @@ pub fn to_markdown(r: &EvalReport) -> String {
             s.all_identical.map_or("n/a (sampling)".to_string(), |b| if b { "yes".into() } else { "NO".into() })
         ));
     }
-    m.push_str("\n## Where a step's time went (ms per target forward)\n\n| tree | draft | tree forward | verify | commit |\n|---|---|---|---|---|\n");
+    m.push_str("\n## Where a step's time went (ms per target forward)\n\n| tree | draft | tree forward | verify | commit | outside the forward |\n|---|---|---|---|---|---|\n");
     for (name, s) in r.trees.iter().zip(&r.overall) {
         let t = &s.step_ms;
-        m.push_str(&format!("| {name} | {:.2} | {:.2} | {:.2} | {:.2} |\n", t.draft, t.forward, t.verify, t.commit));
+        m.push_str(&format!("| {name} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1}% |\n", t.draft, t.forward, t.verify, t.commit, 100.0 * t.outside_forward()));
     }
     m.push_str("\n## Per category (first tree)\n\n| category | turns | τ | speed-up |\n|---|---|---|---|\n");
     for (c, v) in &r.per_category {

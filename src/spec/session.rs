@@ -84,6 +84,17 @@ pub struct StepTimes {
     pub commit: f64,
 }
 
+impl StepTimes {
+    /// The share of a step spent outside the target's forward (drafting, verification,
+    /// commit): the overhead a speculative step pays beyond the forward it shares with plain
+    /// decoding. 0 when nothing was timed.
+    pub fn outside_forward(&self) -> f64 {
+        let outside = self.draft + self.verify + self.commit;
+        let total = outside + self.forward;
+        if total > 0.0 { outside / total } else { 0.0 }
+    }
+}
+
 impl SpecStats {
     /// Tokens per target forward, the bonus token counted (plain decoding = 1.0).
     pub fn tau(&self) -> f64 {
@@ -501,6 +512,13 @@ impl<'d> Sequence<'d> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn outside_forward_is_the_share_beside_the_tree_forward() {
+        let t = StepTimes { draft: 0.3, forward: 5.0, verify: 0.05, commit: 0.15 };
+        assert!((t.outside_forward() - 0.5 / 5.5).abs() < 1e-12);
+        assert_eq!(StepTimes::default().outside_forward(), 0.0);
+    }
     use crate::draft::budget::CostCurve;
 
     #[test]
