@@ -325,12 +325,6 @@ unsafe fn attend_head_fma<E: Elem>(kv: &KvHead<E>, q: &[f32], keys: &[usize], sc
     attend_head(kv, q, keys, scratch, o)
 }
 
-/// AVX2 attention for CPUs without AVX-512: `attend_head`'s arithmetic bit for bit, with a
-/// query's 16 score lanes in two 8-lane registers (the lane tree's first step adds them), the
-/// softmax's exp eight scores at a time, and the output's chains eight elements per register.
-/// Why: the portable loop widened every f16 K/V value through a function call and kept one
-/// output chain at a time; on a 2-core Zen 3, attention over a 256-token context made a
-/// 16-token forward cost 7-9x one token's.
 /// `$call` with the const `$c` set to `$chunks` (a head's 16-value chunks, 1 to 16), else
 /// `$other`: the SIMD paths compile one `group` per head size so its vectors live in registers.
 #[cfg(target_arch = "x86_64")]
@@ -358,6 +352,12 @@ macro_rules! by_chunks {
     };
 }
 
+/// AVX2 attention for CPUs without AVX-512: `attend_head`'s arithmetic bit for bit, with a
+/// query's 16 score lanes in two 8-lane registers (the lane tree's first step adds them), the
+/// softmax's exp eight scores at a time, and the output's chains eight elements per register.
+/// Why: the portable loop widened every f16 K/V value through a function call and kept one
+/// output chain at a time; on a 2-core Zen 3, attention over a 256-token context made a
+/// 16-token forward cost 7-9x one token's.
 #[cfg(target_arch = "x86_64")]
 mod attend256 {
     use super::*;

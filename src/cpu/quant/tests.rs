@@ -56,13 +56,18 @@ fn q4_1_rows(w: &[f32], n: usize, k: usize) -> QuantRows {
     QuantRows::quantize_q4_1(w, n, k).unwrap()
 }
 
+/// llama.cpp's scale for the zero-code formats: the value of largest magnitude maps to code 0,
+/// `d = max / -zero`; returns `d` and `1 / d` (0 for an all-zero block).
+fn llama_scale(block: &[f32], zero: f32) -> (f32, f32) {
+    let max = block.iter().cloned().fold(0f32, |a, v| if v.abs() > a.abs() { v } else { a });
+    let d = max / -zero;
+    (d, if d != 0.0 { 1.0 / d } else { 0.0 })
+}
+
 fn q4_0_rows(w: &[f32], n: usize, k: usize) -> QuantRows {
     let mut bytes = Vec::new();
     for block in w.chunks_exact(QK) {
-        // llama.cpp's rule: the value of largest magnitude maps to code 0 (d = max / -8).
-        let max = block.iter().cloned().fold(0f32, |a, v| if v.abs() > a.abs() { v } else { a });
-        let d = max / -8.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let (d, id) = llama_scale(block, 8.0);
         bytes.extend_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
         let q: Vec<u8> = block.iter().map(|&v| ((v * id + 8.5) as i32).clamp(0, 15) as u8).collect();
         for i in 0..16 {
@@ -77,9 +82,7 @@ fn q4_0_rows(w: &[f32], n: usize, k: usize) -> QuantRows {
 fn q5_0_rows(w: &[f32], n: usize, k: usize) -> QuantRows {
     let mut bytes = Vec::new();
     for block in w.chunks_exact(QK) {
-        let max = block.iter().cloned().fold(0f32, |a, v| if v.abs() > a.abs() { v } else { a });
-        let d = max / -16.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let (d, id) = llama_scale(block, 16.0);
         let q: Vec<u32> = block.iter().map(|&v| ((v * id + 16.5) as i32).clamp(0, 31) as u32).collect();
         let qh = q.iter().enumerate().fold(0u32, |h, (i, &c)| h | ((c >> 4) << i));
         bytes.extend_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
