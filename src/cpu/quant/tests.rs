@@ -312,29 +312,38 @@ fn avx2_kernels_match_portable_bits() {
     assert!((port[0] - want).abs() < 1e-3 * want.abs(), "{} vs {want}", port[0]);
 }
 
-/// The SIMD activation quantizer gives the scalar one's codes, scales and sums, including
-/// an all-zero block, exact ties (x / d = n + 0.5) and large values.
+/// The SIMD activation quantizers give the scalar one's codes, scales, sums and `d * sum`,
+/// including all-zero blocks, exact ties (x / d = n + 0.5) and large values, in the AVX-512
+/// path's groups of sixteen blocks and in its zero-padded last group.
 #[test]
 fn activation_quantizers_agree() {
-    let k = 6 * QK;
+    let nb = 37;
+    let k = nb * QK;
     let mut x = rand_vec(k, 9);
-    x[QK..2 * QK].fill(0.0);
-    for (i, v) in x[2 * QK..3 * QK].iter_mut().enumerate() {
-        *v = (i as f32 - 15.5) * 2.0; // amax 31 -> d = 31/127; many near-ties
+    for b in [1, 20, 36] {
+        x[b * QK..(b + 1) * QK].fill(0.0);
+    }
+    for b in [2, 33] {
+        for (i, v) in x[b * QK..(b + 1) * QK].iter_mut().enumerate() {
+            *v = (i as f32 - 15.5) * 2.0; // amax 31 -> d = 31/127; many near-ties
+        }
     }
     x[3 * QK] = 1e6;
     x[4 * QK + 7] = -3.0e-7;
-    let nb = k / QK;
-    let (mut q1, mut d1, mut s1) = (vec![0i8; k], vec![0f32; nb], vec![0i32; nb]);
+    x[17 * QK + 31] = -2.5e5;
+    let (mut q1, mut d1, mut s1, mut ds1) = (vec![0i8; k], vec![0f32; nb], vec![0i32; nb], vec![0f32; nb]);
     quantize_row(&x, &mut q1, &mut d1, &mut s1);
-    assert_eq!(d1[1], 0.0);
+    set_dsum(&d1, &s1, &mut ds1);
+    assert_eq!((d1[1], d1[36]), (0.0, 0.0));
     assert_eq!(s1[0], q1[..QK].iter().map(|&c| c as i32).sum::<i32>());
     assert!(q1.iter().all(|&c| (-127..=127).contains(&c)));
     #[cfg(target_arch = "x86_64")]
     if vnni() {
-        let (mut q2, mut d2, mut s2) = (vec![0i8; k], vec![0f32; nb], vec![0i32; nb]);
-        unsafe { quantize_row_avx512(&x, &mut q2, &mut d2, &mut s2) };
-        assert_eq!((q1.clone(), d1.clone(), s1.clone()), (q2, d2, s2));
+        for n in [nb, 16, 5] {
+            let (mut q2, mut d2, mut s2, mut ds2) = (vec![0i8; n * QK], vec![0f32; n], vec![0i32; n], vec![0f32; n]);
+            unsafe { quantize_blocks_avx512(&x[..n * QK], &mut q2, &mut d2, &mut s2, &mut ds2) };
+            assert_eq!((&q1[..n * QK], &d1[..n], &s1[..n], &ds1[..n]), (&q2[..], &d2[..], &s2[..], &ds2[..]), "{n} blocks");
+        }
     }
     #[cfg(target_arch = "x86_64")]
     if crate::cpu::isa::has_avx2() {
@@ -342,11 +351,14 @@ fn activation_quantizers_agree() {
         unsafe { quantize_row_avx2(&x, &mut q3, &mut d3, &mut s3) };
         assert_eq!((q1.clone(), d1.clone(), s1.clone()), (q3, d3, s3));
     }
-    // Many rows (the threaded path) give each row's own result.
+    // One row, and many rows (the threaded path), give each row's own result.
+    let one = quantize_acts(&x, 1, k);
+    assert_eq!((&one.q[..k], &one.d[..nb], &one.dsum[..nb]), (&q1[..], &d1[..], &ds1[..]));
     let many: Vec<f32> = (0..5).flat_map(|_| x.clone()).collect();
     let a = quantize_acts(&many, 5, k);
-    assert_eq!(&a.q[4 * k..], &q1[..]);
-    assert_eq!(&a.d[4 * nb..], &d1[..]);
+    assert_eq!(&a.q[4 * k..5 * k], &q1[..]);
+    assert_eq!(&a.d[4 * nb..5 * nb], &d1[..]);
+    assert_eq!(&a.dsum[4 * nb..5 * nb], &ds1[..]);
 }
 
 /// A Q4_1 block re-quantized from its own dequantized values is the same block: what makes
