@@ -14,7 +14,7 @@ fn main() -> anyhow::Result<()> {
     let dev = Device::Cpu;
     for (dtype, prefix) in [DType::F32, DType::F16].into_iter().flat_map(|d| [256usize, 1024, 2048].map(|p| (d, p))) {
         let mut line = format!("{dtype:?} prefix {prefix:5}:");
-        for t in [1usize, 4, 16] {
+        for t in [1usize, 2, 4, 8, 16] {
             let s = prefix + t;
             let q = Tensor::randn(0f32, 1., (t, h, d), &dev)?;
             let k = Tensor::randn(0f32, 1., (hkv, s, d), &dev)?.to_dtype(dtype)?;

@@ -146,7 +146,16 @@ impl TreeAttention {
         // groups of query heads, so that a row's heads that share a K/V head read it once: a
         // single decoded token gets three tasks of three pairs rather than nine of one (one-token
         // forwards at a 2,048-token context 17% faster, 2-4 tokens 5-6%).
-        let per_task = ((t * h / (crate::cpu::team::threads() * 4)).clamp(1, MAX_PAIRS_PER_TASK).div_ceil(group) * group).min(MAX_PAIRS_PER_TASK.max(group));
+        //
+        // An even run where that still leaves two tasks a thread: the AVX-512 score loop takes
+        // pairs two at a time, and an odd run leaves one pair on the slower single-pair loop
+        // (8-row calls at a 2,048-token context 293 -> 255 us, `examples/attention_bench`).
+        let threads = crate::cpu::team::threads();
+        let run_of = |unit: usize| ((t * h / (threads * 4)).clamp(1, MAX_PAIRS_PER_TASK).div_ceil(unit) * unit).min(MAX_PAIRS_PER_TASK.max(unit));
+        let per_task = match run_of(2 * group) {
+            even if hkv * (t * group).div_ceil(even) >= 2 * threads => even,
+            _ => run_of(group),
+        };
         let tasks: Vec<(usize, usize, usize)> = (0..hkv)
             .flat_map(|g| (0..t * group).step_by(per_task).map(move |s| (g, s, (t * group - s).min(per_task))))
             .collect();
@@ -632,6 +641,12 @@ mod attend512 {
             let hi = _mm512_shuffle_f32x4::<0b11_01_11_01>(s1[2 * r], s1[2 * r + 1]);
             s2[r] = _mm512_add_ps(lo, hi);
         }
+        reduce16_tail(&s2)
+    }
+
+    /// The last two steps of [`reduce16`] (lanes l + 2, then l + 1) and its lane order.
+    #[inline(always)]
+    unsafe fn reduce16_tail(s2: &[__m512; 4]) -> __m512 {
         let mut s3 = [_mm512_setzero_ps(); 2];
         for u in 0..2 {
             // Within each 128-bit quarter: lanes l and l + 2.
@@ -700,6 +715,52 @@ mod attend512 {
         _mm512_mul_ps(reduce16(&acc), scale)
     }
 
+    /// Sixteen scores to `at` and into the running lane maxima at `max`.
+    #[inline(always)]
+    unsafe fn put_scores(at: *mut f32, max: *mut f32, s: __m512) {
+        _mm512_storeu_ps(at, s);
+        _mm512_storeu_ps(max, _mm512_max_ps(_mm512_loadu_ps(max), s));
+    }
+
+    /// [`scores16`] for two pairs at once, the same bits for each: every K chunk is loaded once
+    /// for both queries (held in registers), and each pair's lane tree runs as four keys'
+    /// chains are done (the tree's first two steps only ever join keys of one group of four).
+    /// Why: one pair alone makes one load per multiply-add, and the score phase ran at about
+    /// 40% of this core's multiply-add rate while the output phase, which shares its V loads
+    /// between pairs, ran near 80% (`perf`, `examples/attention_bench`, 2-core Zen 4).
+    #[inline(always)]
+    unsafe fn scores16_pairs<E: Elem, const C: usize, const P: usize>(q: [*const f32; P], rows: &[*const E; 16], scale: __m512) -> [__m512; P] {
+        let mut qv = [[_mm512_setzero_ps(); C]; P];
+        for (p, qv) in qv.iter_mut().enumerate() {
+            for (c, v) in qv.iter_mut().enumerate() {
+                *v = _mm512_loadu_ps(q[p].add(c * LANES));
+            }
+        }
+        let mut s2 = [[_mm512_setzero_ps(); 4]; P];
+        for g in 0..4 {
+            let mut acc = [[_mm512_setzero_ps(); 4]; P];
+            for c in 0..C {
+                for u in 0..4 {
+                    let k = E::load16(rows[4 * g + u].add(c * LANES));
+                    for p in 0..P {
+                        acc[p][u] = _mm512_fmadd_ps(qv[p][c], k, acc[p][u]);
+                    }
+                }
+            }
+            for p in 0..P {
+                let a = &acc[p];
+                let s1a = _mm512_add_ps(_mm512_shuffle_f32x4::<0b01_00_01_00>(a[0], a[1]), _mm512_shuffle_f32x4::<0b11_10_11_10>(a[0], a[1]));
+                let s1b = _mm512_add_ps(_mm512_shuffle_f32x4::<0b01_00_01_00>(a[2], a[3]), _mm512_shuffle_f32x4::<0b11_10_11_10>(a[2], a[3]));
+                s2[p][g] = _mm512_add_ps(_mm512_shuffle_f32x4::<0b10_00_10_00>(s1a, s1b), _mm512_shuffle_f32x4::<0b11_01_11_01>(s1a, s1b));
+            }
+        }
+        let mut out = [_mm512_setzero_ps(); P];
+        for p in 0..P {
+            out[p] = _mm512_mul_ps(reduce16_tail(&s2[p]), scale);
+        }
+        out
+    }
+
     /// Keys `j0..j1` (key `j`'s V row at `row(j)`) into the output chains of `PB` pairs, whose
     /// probabilities for key `j` are `probs[pb][j]`: each V row is loaded (and widened) once
     /// for all `PB` pairs (a single pair's loop made one load per multiply-add and was bound by
@@ -751,7 +812,7 @@ mod attend512 {
         // With several pairs and an f16 cache, each block of rows is widened to f32 once (into
         // L1-resident scratch) rather than once per pair; the widening is exact, so the bits
         // are the same either way.
-        let widen = np > 1 && std::mem::size_of::<E>() != 4;
+        let widen = np > 3 && std::mem::size_of::<E>() != 4;
         let wp = if widen {
             widened.clear();
             widened.resize(V_STEP.max(LANES) * C * LANES, 0.0);
@@ -766,11 +827,19 @@ mod attend512 {
             if widen {
                 widen_rows::<E, C>(kv, kp, b, LANES, wp);
             }
-            for (pi, pr) in pairs.iter().enumerate() {
+            // PP pairs at a time while their queries fit in registers beside the chains.
+            const PP: usize = 2;
+            let twos = if C <= 8 { np / PP * PP } else { 0 };
+            for pi in (0..twos).step_by(PP) {
+                let q: [*const f32; PP] = std::array::from_fn(|i| pairs[pi + i].q.as_ptr());
+                let s = if widen { scores16_pairs::<f32, C, PP>(q, &wide, scale) } else { scores16_pairs::<E, C, PP>(q, &rows, scale) };
+                for i in 0..PP {
+                    put_scores(sp.add((pi + i) * stride + b), maxv.as_mut_ptr().add((pi + i) * LANES), s[i]);
+                }
+            }
+            for (pi, pr) in pairs.iter().enumerate().skip(twos) {
                 let s = if widen { scores16::<f32, C>(pr.q.as_ptr(), &wide, scale) } else { scores16::<E, C>(pr.q.as_ptr(), &rows, scale) };
-                _mm512_storeu_ps(sp.add(pi * stride + b), s);
-                let mv = maxv.as_mut_ptr().add(pi * LANES);
-                _mm512_storeu_ps(mv, _mm512_max_ps(_mm512_loadu_ps(mv), s));
+                put_scores(sp.add(pi * stride + b), maxv.as_mut_ptr().add(pi * LANES), s);
             }
         }
         inv.clear();
@@ -1011,8 +1080,12 @@ mod tests {
                         }
                     }
                 }
-                check(&KvHead { k: &k[..], v: &v[..], head_stride: slots * d, kvh: 1, d, scale: 0.125 }, &qs, &lists, prefix, "f32");
-                check(&KvHead { k: &k16[..], v: &v16[..], head_stride: slots * d, kvh: 1, d, scale: 0.125 }, &qs, &lists, prefix, "f16");
+                // One to five pairs: one alone, pairs two at a time with one left over or not,
+                // f16 K/V widened once per task (more than three pairs) or read as they are.
+                for n in 1..=5 {
+                    check(&KvHead { k: &k[..], v: &v[..], head_stride: slots * d, kvh: 1, d, scale: 0.125 }, &qs[..n], &lists[..n], prefix, "f32");
+                    check(&KvHead { k: &k16[..], v: &v16[..], head_stride: slots * d, kvh: 1, d, scale: 0.125 }, &qs[..n], &lists[..n], prefix, "f16");
+                }
             }
         }
     }
