@@ -779,6 +779,29 @@ mod attend512 {
         }
     }
 
+    /// Keys ahead of the score loop whose K rows are fetched into L2 meanwhile (and the output
+    /// loop fetches the next step's V rows), for tasks of more than three pairs: their K/V come
+    /// from DRAM at long contexts (47 MB for SmolLM2 at 2,048 tokens, past this VM's L3), and
+    /// 8- and 16-token forwards there were 4% faster (two of three interleaved rounds; the
+    /// third met one of the VM's slow phases). Single tokens' three-pair tasks were 14% slower
+    /// with them, so they go without.
+    const K_AHEAD: usize = 64;
+
+    /// Fetch 16 rows of one head of `src` (K or V) from slot `first` (those below `end`) into L2.
+    #[inline(always)]
+    unsafe fn prefetch_rows<E: Elem>(kv: &KvHead<E>, src: *const E, first: usize, end: usize) {
+        if first >= end {
+            return;
+        }
+        let from = src.add(kv.row(first)) as *const i8;
+        let bytes = (end - first).min(LANES) * kv.d * std::mem::size_of::<E>();
+        let mut o = 0;
+        while o < bytes {
+            _mm_prefetch::<_MM_HINT_T1>(from.add(o));
+            o += 64;
+        }
+    }
+
     /// Rows `first..first + count` of one head of `src` (K or V) into `dst` as f32.
     #[inline(always)]
     unsafe fn widen_rows<E: Elem, const C: usize>(kv: &KvHead<E>, src: *const E, first: usize, count: usize, dst: *mut f32) {
@@ -822,6 +845,9 @@ mod attend512 {
         };
         let shared = (prefix / LANES) * LANES;
         for b in (0..shared).step_by(LANES) {
+            if np > 3 {
+                prefetch_rows(kv, kp, b + K_AHEAD, shared);
+            }
             let rows: [*const E; 16] = std::array::from_fn(|u| kp.add(kv.row(b + u)));
             let wide: [*const f32; 16] = std::array::from_fn(|u| wp.add(u * C * LANES) as *const f32);
             if widen {
@@ -920,6 +946,11 @@ mod attend512 {
         }
         let pb_max = block(CV);
         for j0 in (0..vshared).step_by(V_STEP) {
+            if e0 == 0 && np > 3 {
+                for j in (j0 + V_STEP..j0 + 2 * V_STEP).step_by(LANES) {
+                    prefetch_rows(kv, vp, j, vshared);
+                }
+            }
             if widen {
                 widen_rows::<E, CV>(kv, vp.add(e0), j0, V_STEP, wp);
             }
