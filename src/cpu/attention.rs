@@ -127,6 +127,7 @@ impl TreeAttention {
             candle_core::bail!("tree attention: shapes q {:?} k {:?} v {:?} prefix {}", lq.shape(), lk.shape(), lv.shape(), self.prefix_len)
         }
         let group = h / hkv;
+        let mut out = vec![0f32; t * h * d];
         let prefix = self.prefix_len;
         let first_key = |i: usize| self.first_key.as_ref().map_or(0, |f| f.get(i).copied().unwrap_or(0));
         if self.first_key.as_ref().is_some_and(|f| f.len() != t) {
@@ -138,6 +139,7 @@ impl TreeAttention {
         let mask = &self.mask;
         let scale = self.scale;
         let isa = isa();
+        let outp = OutPtr(out.as_mut_ptr());
         // A task is a run of (row, query head) pairs that share one K/V head, row by row, so the
         // K/V rows of the common prefix are fetched once per task and used by every pair while
         // in L1. Runs are short enough for about four tasks per thread, rounded up to whole
@@ -160,7 +162,7 @@ impl TreeAttention {
         thread_local! {
             static SCRATCH: std::cell::RefCell<(Scratch, Vec<usize>)> = Default::default();
         }
-        let fill = |outp: OutPtr| crate::cpu::team::run(tasks.len(), &|task| {
+        crate::cpu::team::run(tasks.len(), &|task| {
             let (g, first, count) = tasks[task];
             SCRATCH.with_borrow_mut(|(scratch, keys)| {
                 // Key lists of the task's rows, one after another (pairs of a row share one).
@@ -201,9 +203,6 @@ impl TreeAttention {
                 }
             })
         });
-        // SAFETY: every (row, head) pair is in exactly one task, and every path writes all `d`
-        // of its outputs.
-        let out = unsafe { written_by(t * h * d, fill) };
         Ok((CpuStorage::F32(out), Shape::from((t, h, d))))
     }
 }

@@ -168,19 +168,14 @@ impl candle_core::CustomOp2 for RmsNormRows {
         if n == 0 || l1.dims().last() != Some(&n) {
             candle_core::bail!("rms-norm: input {:?} against a weight of {n}", l1.dims())
         }
+        let mut out = vec![0f32; x.len()];
         let group = NORM_ROWS * n;
-        // SAFETY: `rms_norm_rows` writes every value of its rows, and the chunks cover them all.
-        let out = unsafe {
-            written_by(x.len(), |o| {
-                let out = std::slice::from_raw_parts_mut(o.0, x.len());
-                if x.len() >= crate::cpu::team::PAR_MIN_VALUES {
-                    let mut parts: Vec<(&[f32], &mut [f32])> = x.chunks(group).zip(out.chunks_mut(group)).collect();
-                    crate::cpu::team::for_each_mut(&mut parts, |_, (x, o)| rms_norm_rows(x, w, self.eps, o));
-                } else {
-                    x.chunks(group).zip(out.chunks_mut(group)).for_each(|(x, o)| rms_norm_rows(x, w, self.eps, o));
-                }
-            })
-        };
+        if x.len() >= crate::cpu::team::PAR_MIN_VALUES {
+            let mut parts: Vec<(&[f32], &mut [f32])> = x.chunks(group).zip(out.chunks_mut(group)).collect();
+            crate::cpu::team::for_each_mut(&mut parts, |_, (x, o)| rms_norm_rows(x, w, self.eps, o));
+        } else {
+            x.chunks(group).zip(out.chunks_mut(group)).for_each(|(x, o)| rms_norm_rows(x, w, self.eps, o));
+        }
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 }
