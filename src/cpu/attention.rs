@@ -151,9 +151,14 @@ impl TreeAttention {
         // pairs two at a time, and an odd run leaves one pair on the slower single-pair loop
         // (8-row calls at a 2,048-token context 293 -> 255 us, `examples/attention_bench`).
         let threads = crate::cpu::team::threads();
-        let run_of = |unit: usize| ((t * h / (threads * 4)).clamp(1, MAX_PAIRS_PER_TASK).div_ceil(unit) * unit).min(MAX_PAIRS_PER_TASK.max(unit));
+        // About four tasks a thread, in whole units, at most MAX_PAIRS_PER_TASK (or one unit).
+        let run_of = |unit: usize| {
+            let wanted = (t * h / (threads * 4)).clamp(1, MAX_PAIRS_PER_TASK);
+            (wanted.div_ceil(unit) * unit).min((MAX_PAIRS_PER_TASK / unit).max(1) * unit)
+        };
+        let pairs_loop = matches!(isa, Isa::Avx512) && d % LANES == 0 && d / LANES <= attend512::PAIRED_MAX_CHUNKS;
         let per_task = match run_of(2 * group) {
-            even if hkv * (t * group).div_ceil(even) >= 2 * threads => even,
+            even if pairs_loop && 2 * group <= MAX_PAIRS_PER_TASK && hkv * (t * group).div_ceil(even) >= 2 * threads => even,
             _ => run_of(group),
         };
         let tasks: Vec<(usize, usize, usize)> = (0..hkv)
@@ -715,6 +720,15 @@ mod attend512 {
         _mm512_mul_ps(reduce16(&acc), scale)
     }
 
+    /// Largest head (in 16-value chunks) whose score loop takes pairs two at a time: both
+    /// queries stay in registers beside the chains up to 128-wide heads.
+    pub const PAIRED_MAX_CHUNKS: usize = 8;
+
+    /// Tasks with more pairs than this widen an f16 K/V block to f32 once for all of them; with
+    /// fewer, each pair (or two) converts as it loads. Single tokens' tasks of three pairs were
+    /// 12-15% faster without the widening (`examples/attention_bench`, f16, 256-2,048 keys).
+    const WIDEN_MIN_PAIRS: usize = 3;
+
     /// Sixteen scores to `at` and into the running lane maxima at `max`.
     #[inline(always)]
     unsafe fn put_scores(at: *mut f32, max: *mut f32, s: __m512) {
@@ -729,6 +743,7 @@ mod attend512 {
     /// 40% of this core's multiply-add rate while the output phase, which shares its V loads
     /// between pairs, ran near 80% (`perf`, `examples/attention_bench`, 2-core Zen 4).
     #[inline(always)]
+    #[allow(clippy::needless_range_loop)] // chunk c indexes both queries' registers and the K rows
     unsafe fn scores16_pairs<E: Elem, const C: usize, const P: usize>(q: [*const f32; P], rows: &[*const E; 16], scale: __m512) -> [__m512; P] {
         let mut qv = [[_mm512_setzero_ps(); C]; P];
         for (p, qv) in qv.iter_mut().enumerate() {
@@ -780,7 +795,7 @@ mod attend512 {
     }
 
     /// Keys ahead of the score loop whose K rows are fetched into L2 meanwhile (and the output
-    /// loop fetches the next step's V rows), for tasks of more than three pairs: their K/V come
+    /// loop fetches the next step's V rows), for tasks of more than `WIDEN_MIN_PAIRS`: their K/V come
     /// from DRAM at long contexts (47 MB for SmolLM2 at 2,048 tokens, past this VM's L3), and
     /// 8- and 16-token forwards there were 4% faster (two of three interleaved rounds; the
     /// third met one of the VM's slow phases). Single tokens' three-pair tasks were 14% slower
@@ -832,10 +847,10 @@ mod attend512 {
         let scale = _mm512_set1_ps(kv.scale);
         // Scores, 16 keys at a time: first the blocks inside the shared prefix, for all pairs
         // while the 16 K rows are hot, then each pair's own remaining keys.
-        // With several pairs and an f16 cache, each block of rows is widened to f32 once (into
-        // L1-resident scratch) rather than once per pair; the widening is exact, so the bits
-        // are the same either way.
-        let widen = np > 3 && std::mem::size_of::<E>() != 4;
+        // With more than WIDEN_MIN_PAIRS pairs and an f16 cache, each block of rows is widened
+        // to f32 once (into L1-resident scratch) rather than once per pair; the widening is
+        // exact, so the bits are the same either way.
+        let widen = np > WIDEN_MIN_PAIRS && std::mem::size_of::<E>() != 4;
         let wp = if widen {
             widened.clear();
             widened.resize(V_STEP.max(LANES) * C * LANES, 0.0);
@@ -845,22 +860,23 @@ mod attend512 {
         };
         let shared = (prefix / LANES) * LANES;
         for b in (0..shared).step_by(LANES) {
-            if np > 3 {
+            if np > WIDEN_MIN_PAIRS {
                 prefetch_rows(kv, kp, b + K_AHEAD, shared);
             }
             let rows: [*const E; 16] = std::array::from_fn(|u| kp.add(kv.row(b + u)));
-            let wide: [*const f32; 16] = std::array::from_fn(|u| wp.add(u * C * LANES) as *const f32);
+            // (A null `wp` when not widening: never read, so offset without `add`'s rules.)
+            let wide: [*const f32; 16] = std::array::from_fn(|u| wp.wrapping_add(u * C * LANES) as *const f32);
             if widen {
                 widen_rows::<E, C>(kv, kp, b, LANES, wp);
             }
             // PP pairs at a time while their queries fit in registers beside the chains.
             const PP: usize = 2;
-            let twos = if C <= 8 { np / PP * PP } else { 0 };
+            let twos = if C <= PAIRED_MAX_CHUNKS { np / PP * PP } else { 0 };
             for pi in (0..twos).step_by(PP) {
                 let q: [*const f32; PP] = std::array::from_fn(|i| pairs[pi + i].q.as_ptr());
                 let s = if widen { scores16_pairs::<f32, C, PP>(q, &wide, scale) } else { scores16_pairs::<E, C, PP>(q, &rows, scale) };
-                for i in 0..PP {
-                    put_scores(sp.add((pi + i) * stride + b), maxv.as_mut_ptr().add((pi + i) * LANES), s[i]);
+                for (i, &s) in s.iter().enumerate() {
+                    put_scores(sp.add((pi + i) * stride + b), maxv.as_mut_ptr().add((pi + i) * LANES), s);
                 }
             }
             for (pi, pr) in pairs.iter().enumerate().skip(twos) {
@@ -946,7 +962,7 @@ mod attend512 {
         }
         let pb_max = block(CV);
         for j0 in (0..vshared).step_by(V_STEP) {
-            if e0 == 0 && np > 3 {
+            if e0 == 0 && np > WIDEN_MIN_PAIRS {
                 for j in (j0 + V_STEP..j0 + 2 * V_STEP).step_by(LANES) {
                     prefetch_rows(kv, vp, j, vshared);
                 }

@@ -57,6 +57,7 @@ pub(super) fn quantize_acts(x: &[f32], m: usize, k: usize) -> QuantActs {
 /// longer than the quantizing, on the calling thread while the team waited: 8-token SmolLM2
 /// forwards 6.23 -> 6.15 ms, 16-token 10.99 -> 10.88 (3 interleaved rounds, 2-core Zen 4).
 pub(super) fn quantize_acts_into(a: &mut QuantActs, x: &[f32], m: usize, k: usize) {
+    debug_assert!(k.is_multiple_of(QK), "rows of {k} values are not whole blocks");
     let nb = k / QK;
     at_least(&mut a.q, m * k);
     at_least(&mut a.d, m * nb);
@@ -69,11 +70,13 @@ pub(super) fn quantize_acts_into(a: &mut QuantActs, x: &[f32], m: usize, k: usiz
     let blocks = |x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [i32], dsum: &mut [f32]| {
         #[cfg(target_arch = "x86_64")]
         if simd {
+            // SAFETY: `vnni()` implies AVX-512 F and BW; the slices are whole rows of blocks.
             unsafe { quantize_blocks_avx512(x, q, d, sum, dsum) };
             return;
         }
         #[cfg(target_arch = "x86_64")]
         if avx2 {
+            // SAFETY: AVX2 is present.
             unsafe { quantize_row_avx2(x, q, d, sum) };
             set_dsum(d, sum, dsum);
             return;
@@ -98,13 +101,22 @@ pub(super) fn set_dsum(d: &[f32], sum: &[i32], dsum: &mut [f32]) {
     }
 }
 
+/// `1 / scale`, or 0 for a block of zeros, and also for one so small (every value under about
+/// 4e-37) that the inverse overflows: its codes are then all 0 on every path, rather than
+/// products of infinity.
+#[inline(always)]
+pub(super) fn inverse_scale(scale: f32) -> f32 {
+    let id = 1.0 / scale;
+    if scale != 0.0 && id.is_finite() { id } else { 0.0 }
+}
+
 /// One activation row to 8-bit codes per 32-value block: `d = max|x| / 127`, codes
 /// `round(x / d)` (ties to even), and the codes' sum (for the Q4_1 offset term).
 pub(super) fn quantize_row(x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [i32]) {
     for (((block, out), d), sum) in x.chunks_exact(QK).zip(q.chunks_exact_mut(QK)).zip(d.iter_mut()).zip(sum.iter_mut()) {
         let amax = block.iter().fold(0f32, |a, &v| a.max(v.abs()));
         let scale = amax / 127.0;
-        let id = if scale != 0.0 { 1.0 / scale } else { 0.0 };
+        let id = inverse_scale(scale);
         let mut s = 0i32;
         for (o, &v) in out.iter_mut().zip(block) {
             let c = round_small(v * id) as i32;
@@ -126,7 +138,12 @@ pub(super) fn quantize_row(x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [i3
 /// reduction for each, and two blocks' codes are packed in registers for one store. On a
 /// 2-core Zen 4 (in L1): 8 rows x 576 1.25 -> 0.55 us, 8 x 1,536 3.34 -> 1.57 us; in the forward,
 /// where the rows arrive from the other core's cache, 8-token native SmolLM2 forwards were
-/// 2-7% faster (3 interleaved rounds). This runs on the calling thread while the team waits.
+/// 2-7% faster (3 interleaved rounds). Below `PAR_MIN_VALUES` values this runs on the calling
+/// thread while the team waits.
+///
+/// # Safety
+/// AVX-512 F and BW must be present; `x` and `q` hold at least `d.len()` blocks, `sum` and
+/// `dsum` at least `d.len()` values (checked).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
 pub(super) unsafe fn quantize_blocks_avx512(x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [i32], dsum: &mut [f32]) {
@@ -154,6 +171,10 @@ pub(super) unsafe fn quantize_blocks_avx512(x: &[f32], q: &mut [i8], d: &mut [f3
 /// Sixteen blocks from `x` (512 values) into codes at `q` and per-block scale, sum and
 /// `scale * sum` at `d`, `sum`, `dsum`. (Plain loops: a closure here would be compiled without
 /// AVX-512 and call each intrinsic out of line.)
+///
+/// # Safety
+/// AVX-512 F and BW must be present; 512 values readable at `x`, 512 codes and 16 values of
+/// each of `d`, `sum`, `dsum` writable.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn quantize16_avx512(x: *const f32, q: *mut i8, d: *mut f32, sum: *mut i32, dsum: *mut f32) {
@@ -165,8 +186,10 @@ unsafe fn quantize16_avx512(x: *const f32, q: *mut i8, d: *mut f32, sum: *mut i3
     }
     let amax = reduce16_transposed::<Max>(&v);
     let scale = _mm512_div_ps(amax, _mm512_set1_ps(127.0));
+    // `inverse_scale` in 16 lanes: 1 / scale where the scale is not 0 and the inverse is finite.
     let nonzero = _mm512_cmp_ps_mask::<_CMP_NEQ_OQ>(scale, _mm512_setzero_ps());
     let inv = _mm512_maskz_div_ps(nonzero, _mm512_set1_ps(1.0), scale);
+    let inv = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_LT_OQ>(inv, _mm512_set1_ps(f32::INFINITY)), inv);
     let mut invs = [0f32; 16];
     _mm512_storeu_ps(invs.as_mut_ptr(), inv);
     // Two blocks' codes per 64-byte store: packed to 16 and then 8 bits within 128-bit lanes
@@ -196,6 +219,8 @@ unsafe fn quantize16_avx512(x: *const f32, q: *mut i8, d: *mut f32, sum: *mut i3
 /// An order-independent fold of two vectors' lanes, for [`reduce16_transposed`].
 #[cfg(target_arch = "x86_64")]
 trait Fold {
+    /// # Safety
+    /// AVX-512 F must be present.
     unsafe fn fold(a: std::arch::x86_64::__m512, b: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512;
 }
 #[cfg(target_arch = "x86_64")]
@@ -260,7 +285,7 @@ pub(super) unsafe fn quantize_row_avx2(x: &[f32], q: &mut [i8], d: &mut [f32], s
         let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
         let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps::<1>(m, m)));
         let scale = amax / 127.0;
-        let id = _mm256_set1_ps(if scale != 0.0 { 1.0 / scale } else { 0.0 });
+        let id = _mm256_set1_ps(inverse_scale(scale));
         let c: [__m256i; 4] = std::array::from_fn(|i| _mm256_cvtps_epi32(_mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(v[i], id), magic), magic)));
         // Packing works within 128-bit lanes: the bytes come out in dword order 0 2 4 6 1 3 5 7.
         let packed = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));

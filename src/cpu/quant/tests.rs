@@ -331,10 +331,16 @@ fn activation_quantizers_agree() {
     x[3 * QK] = 1e6;
     x[4 * QK + 7] = -3.0e-7;
     x[17 * QK + 31] = -2.5e5;
+    // A block so small that 1 / scale overflows (codes 0 on every path), and one just above.
+    x[22 * QK..23 * QK].fill(1e-38);
+    x[22 * QK + 5] = -2e-38;
+    x[23 * QK..24 * QK].fill(3e-36);
     let (mut q1, mut d1, mut s1, mut ds1) = (vec![0i8; k], vec![0f32; nb], vec![0i32; nb], vec![0f32; nb]);
     quantize_row(&x, &mut q1, &mut d1, &mut s1);
     set_dsum(&d1, &s1, &mut ds1);
     assert_eq!((d1[1], d1[36]), (0.0, 0.0));
+    assert!(q1[22 * QK..23 * QK].iter().all(|&c| c == 0) && s1[22] == 0, "overflowing inverse: codes 0");
+    assert!(q1[23 * QK..24 * QK].iter().all(|&c| c == 127), "tiny but invertible: full codes");
     assert_eq!(s1[0], q1[..QK].iter().map(|&c| c as i32).sum::<i32>());
     assert!(q1.iter().all(|&c| (-127..=127).contains(&c)));
     #[cfg(target_arch = "x86_64")]
@@ -351,14 +357,20 @@ fn activation_quantizers_agree() {
         unsafe { quantize_row_avx2(&x, &mut q3, &mut d3, &mut s3) };
         assert_eq!((q1.clone(), d1.clone(), s1.clone()), (q3, d3, s3));
     }
-    // One row, and many rows (the threaded path), give each row's own result.
+    // One row, a few rows (one pass over all their blocks) and many rows (split over the
+    // thread team) give each row its own result.
     let one = quantize_acts(&x, 1, k);
     assert_eq!((&one.q[..k], &one.d[..nb], &one.dsum[..nb]), (&q1[..], &d1[..], &ds1[..]));
-    let many: Vec<f32> = (0..5).flat_map(|_| x.clone()).collect();
-    let a = quantize_acts(&many, 5, k);
-    assert_eq!(&a.q[4 * k..5 * k], &q1[..]);
-    assert_eq!(&a.d[4 * nb..5 * nb], &d1[..]);
-    assert_eq!(&a.dsum[4 * nb..5 * nb], &ds1[..]);
+    let many_rows = crate::cpu::team::PAR_MIN_VALUES.div_ceil(k);
+    for rows in [5, many_rows] {
+        let many: Vec<f32> = (0..rows).flat_map(|_| x.clone()).collect();
+        let a = quantize_acts(&many, rows, k);
+        for r in 0..rows {
+            assert_eq!(&a.q[r * k..(r + 1) * k], &q1[..], "{rows} rows: row {r} codes");
+            assert_eq!(&a.d[r * nb..(r + 1) * nb], &d1[..], "{rows} rows: row {r} scales");
+            assert_eq!(&a.dsum[r * nb..(r + 1) * nb], &ds1[..], "{rows} rows: row {r} d * sum");
+        }
+    }
 }
 
 /// A Q4_1 block re-quantized from its own dequantized values is the same block: what makes
