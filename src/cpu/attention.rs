@@ -623,48 +623,17 @@ mod attend256 {
 #[cfg(target_arch = "x86_64")]
 mod attend512 {
     use super::*;
+    use crate::cpu::reduce::tree16;
     use std::arch::x86_64::*;
 
     /// Larger heads take the portable path. 256: Gemma's heads.
     pub const MAX_D: usize = 256;
 
-    /// Lane `l` of the result is `reduce_lanes(a[l])`: the tree (l + 8, + 4, + 2, + 1) is done for
-    /// all sixteen vectors together. Each step adds the same pairs as the scalar tree.
+    /// Lane `l` of the result is `reduce_lanes(a[l])`, for all sixteen vectors at once
+    /// ([`crate::cpu::reduce::tree16`] adds the same pairs as the scalar tree).
     #[inline(always)]
     unsafe fn reduce16(a: &[__m512; 16]) -> __m512 {
-        let mut s1 = [_mm512_setzero_ps(); 8];
-        for p in 0..8 {
-            // [a.q0, a.q1, b.q0, b.q1] + [a.q2, a.q3, b.q2, b.q3]: lanes l and l + 8.
-            let lo = _mm512_shuffle_f32x4::<0b01_00_01_00>(a[2 * p], a[2 * p + 1]);
-            let hi = _mm512_shuffle_f32x4::<0b11_10_11_10>(a[2 * p], a[2 * p + 1]);
-            s1[p] = _mm512_add_ps(lo, hi);
-        }
-        let mut s2 = [_mm512_setzero_ps(); 4];
-        for r in 0..4 {
-            // Quarter pairs: lanes l and l + 4 of each of four vectors.
-            let lo = _mm512_shuffle_f32x4::<0b10_00_10_00>(s1[2 * r], s1[2 * r + 1]);
-            let hi = _mm512_shuffle_f32x4::<0b11_01_11_01>(s1[2 * r], s1[2 * r + 1]);
-            s2[r] = _mm512_add_ps(lo, hi);
-        }
-        reduce16_tail(&s2)
-    }
-
-    /// The last two steps of [`reduce16`] (lanes l + 2, then l + 1) and its lane order.
-    #[inline(always)]
-    unsafe fn reduce16_tail(s2: &[__m512; 4]) -> __m512 {
-        let mut s3 = [_mm512_setzero_ps(); 2];
-        for u in 0..2 {
-            // Within each 128-bit quarter: lanes l and l + 2.
-            let lo = _mm512_shuffle_ps::<0b01_00_01_00>(s2[2 * u], s2[2 * u + 1]);
-            let hi = _mm512_shuffle_ps::<0b11_10_11_10>(s2[2 * u], s2[2 * u + 1]);
-            s3[u] = _mm512_add_ps(lo, hi);
-        }
-        // Lanes l and l + 1. Lane 4q + i now holds vector q + 4i.
-        let lo = _mm512_shuffle_ps::<0b10_00_10_00>(s3[0], s3[1]);
-        let hi = _mm512_shuffle_ps::<0b11_01_11_01>(s3[0], s3[1]);
-        let sums = _mm512_add_ps(lo, hi);
-        let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-        _mm512_permutexvar_ps(order, sums)
+        tree16::reduce::<tree16::AddF32>(a)
     }
 
     /// `exp_nonpositive` on 16 values with the same operations in the same order.
@@ -737,8 +706,8 @@ mod attend512 {
     }
 
     /// [`scores16`] for two pairs at once, the same bits for each: every K chunk is loaded once
-    /// for both queries (held in registers), and each pair's lane tree runs as four keys'
-    /// chains are done (the tree's first two steps only ever join keys of one group of four).
+    /// for both queries (held in registers), and each pair's lane tree runs its first two steps
+    /// as each group of four keys is done ([`tree16::fold_four`]).
     /// Why: one pair alone makes one load per multiply-add, and the score phase ran at about
     /// 40% of this core's multiply-add rate while the output phase, which shares its V loads
     /// between pairs, ran near 80% (`perf`, `examples/attention_bench`, 2-core Zen 4).
@@ -763,15 +732,12 @@ mod attend512 {
                 }
             }
             for p in 0..P {
-                let a = &acc[p];
-                let s1a = _mm512_add_ps(_mm512_shuffle_f32x4::<0b01_00_01_00>(a[0], a[1]), _mm512_shuffle_f32x4::<0b11_10_11_10>(a[0], a[1]));
-                let s1b = _mm512_add_ps(_mm512_shuffle_f32x4::<0b01_00_01_00>(a[2], a[3]), _mm512_shuffle_f32x4::<0b11_10_11_10>(a[2], a[3]));
-                s2[p][g] = _mm512_add_ps(_mm512_shuffle_f32x4::<0b10_00_10_00>(s1a, s1b), _mm512_shuffle_f32x4::<0b11_01_11_01>(s1a, s1b));
+                s2[p][g] = tree16::fold_four::<tree16::AddF32>(&acc[p]);
             }
         }
         let mut out = [_mm512_setzero_ps(); P];
         for p in 0..P {
-            out[p] = _mm512_mul_ps(reduce16_tail(&s2[p]), scale);
+            out[p] = _mm512_mul_ps(tree16::finish::<tree16::AddF32>(&s2[p]), scale);
         }
         out
     }

@@ -113,7 +113,8 @@ const NORM_ROWS: usize = 8;
 /// baseline x86-64, so these loops ran 4 lanes wide on the calling thread while the team waited.
 /// (The closure runs with the wider features once the compiler inlines it into the wrapper, as
 /// it does for these one-call closures; were it not inlined, it would run as before, with the
-/// same bits.)
+/// same bits. A macro rather than one generic function: written as a function taking the
+/// closure, the wrappers were left calling it out of line, 4 lanes wide.)
 macro_rules! wide {
     ($f:ident($($a:expr),*) as $t512:ident, $t256:ident) => {{
         #[cfg(target_arch = "x86_64")]

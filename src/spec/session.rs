@@ -512,6 +512,7 @@ impl<'d> Sequence<'d> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::draft::budget::CostCurve;
 
     #[test]
     fn outside_forward_is_the_share_beside_the_tree_forward() {
@@ -519,7 +520,6 @@ mod tests {
         assert!((t.outside_forward() - 0.5 / 5.5).abs() < 1e-12);
         assert_eq!(StepTimes::default().outside_forward(), 0.0);
     }
-    use crate::draft::budget::CostCurve;
 
     #[test]
     fn expansion_floor_prices_a_draft_level_once_the_loop_has_timings() {

@@ -178,13 +178,14 @@ pub(super) unsafe fn quantize_blocks_avx512(x: &[f32], q: &mut [i8], d: &mut [f3
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn quantize16_avx512(x: *const f32, q: *mut i8, d: *mut f32, sum: *mut i32, dsum: *mut f32) {
+    use crate::cpu::reduce::tree16;
     use std::arch::x86_64::*;
     let mut v = [_mm512_setzero_ps(); 16];
     for (u, v) in v.iter_mut().enumerate() {
         let p = x.add(u * QK);
         *v = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(p)), _mm512_abs_ps(_mm512_loadu_ps(p.add(16))));
     }
-    let amax = reduce16_transposed::<Max>(&v);
+    let amax = tree16::reduce::<tree16::Max>(&v);
     let scale = _mm512_div_ps(amax, _mm512_set1_ps(127.0));
     // `inverse_scale` in 16 lanes: 1 / scale where the scale is not 0 and the inverse is finite.
     let nonzero = _mm512_cmp_ps_mask::<_CMP_NEQ_OQ>(scale, _mm512_setzero_ps());
@@ -210,62 +211,10 @@ unsafe fn quantize16_avx512(x: *const f32, q: *mut i8, d: *mut f32, sum: *mut i3
         let bytes = _mm512_permutexvar_epi32(order, _mm512_packs_epi16(half[0], half[1]));
         _mm512_storeu_si512(q.add(2 * pair * QK) as *mut _, bytes);
     }
-    let sums = _mm512_castps_si512(reduce16_transposed::<AddI32>(&v));
+    let sums = _mm512_castps_si512(tree16::reduce::<tree16::AddI32>(&v));
     _mm512_storeu_ps(d, scale);
     _mm512_storeu_si512(sum as *mut _, sums);
     _mm512_storeu_ps(dsum, _mm512_mul_ps(scale, _mm512_cvtepi32_ps(sums)));
-}
-
-/// An order-independent fold of two vectors' lanes, for [`reduce16_transposed`].
-#[cfg(target_arch = "x86_64")]
-trait Fold {
-    /// # Safety
-    /// AVX-512 F must be present.
-    unsafe fn fold(a: std::arch::x86_64::__m512, b: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512;
-}
-#[cfg(target_arch = "x86_64")]
-struct Max;
-#[cfg(target_arch = "x86_64")]
-impl Fold for Max {
-    #[inline(always)]
-    unsafe fn fold(a: std::arch::x86_64::__m512, b: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
-        std::arch::x86_64::_mm512_max_ps(a, b)
-    }
-}
-/// 32-bit integer add on vectors that carry integers as floats' bits.
-#[cfg(target_arch = "x86_64")]
-struct AddI32;
-#[cfg(target_arch = "x86_64")]
-impl Fold for AddI32 {
-    #[inline(always)]
-    unsafe fn fold(a: std::arch::x86_64::__m512, b: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
-        use std::arch::x86_64::*;
-        _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)))
-    }
-}
-
-/// Lane `u` of the result is [`Fold`] over the sixteen lanes of `a[u]`: one transposing tree
-/// for all sixteen vectors (15 folds instead of 16 reductions of 4 steps each).
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn reduce16_transposed<F: Fold>(a: &[std::arch::x86_64::__m512; 16]) -> std::arch::x86_64::__m512 {
-    use std::arch::x86_64::*;
-    let mut s1 = [_mm512_setzero_ps(); 8];
-    for (p, s) in s1.iter_mut().enumerate() {
-        // [a.q0, a.q1, b.q0, b.q1] with [a.q2, a.q3, b.q2, b.q3].
-        *s = F::fold(_mm512_shuffle_f32x4::<0b01_00_01_00>(a[2 * p], a[2 * p + 1]), _mm512_shuffle_f32x4::<0b11_10_11_10>(a[2 * p], a[2 * p + 1]));
-    }
-    let mut s2 = [_mm512_setzero_ps(); 4];
-    for (r, s) in s2.iter_mut().enumerate() {
-        // Quarters of four vectors.
-        *s = F::fold(_mm512_shuffle_f32x4::<0b10_00_10_00>(s1[2 * r], s1[2 * r + 1]), _mm512_shuffle_f32x4::<0b11_01_11_01>(s1[2 * r], s1[2 * r + 1]));
-    }
-    // Within each 128-bit quarter: lanes l and l + 2, then l and l + 1.
-    let s3a = F::fold(_mm512_shuffle_ps::<0b01_00_01_00>(s2[0], s2[1]), _mm512_shuffle_ps::<0b11_10_11_10>(s2[0], s2[1]));
-    let s3b = F::fold(_mm512_shuffle_ps::<0b01_00_01_00>(s2[2], s2[3]), _mm512_shuffle_ps::<0b11_10_11_10>(s2[2], s2[3]));
-    let all = F::fold(_mm512_shuffle_ps::<0b10_00_10_00>(s3a, s3b), _mm512_shuffle_ps::<0b11_01_11_01>(s3a, s3b));
-    // Lane 4q + i holds vector q + 4i.
-    _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), all)
 }
 
 /// [`quantize_row`] on AVX2, with the same operations per lane (so the same bits). On the
