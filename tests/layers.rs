@@ -11,7 +11,7 @@ const LAYERS: &[&[&str]] = &[&["error", "files"], &["cpu"], &["model"], &["data"
 
 /// Files of a folder, lowest first: a file may import only files before it (and itself).
 const FILE_ORDER: &[(&str, &[&str])] = &[
-    ("cpu", &["testutil", "isa", "team", "exp", "storage", "matmul", "bf16", "quant", "ops", "attention", "reduce"]),
+    ("cpu", &["testutil", "isa", "team", "exp", "lanes", "storage", "matmul", "bf16", "quant", "ops", "attention", "reduce"]),
     ("model", &["kv_cache", "tokenizer", "gguf", "llama", "loader", "timing", "fixtures"]),
     ("data", &["manifest"]),
     ("decode", &["sampling", "generate"]),

@@ -623,14 +623,14 @@ mod attend256 {
 #[cfg(target_arch = "x86_64")]
 mod attend512 {
     use super::*;
-    use crate::cpu::reduce::tree16;
+    use crate::cpu::lanes::tree16;
     use std::arch::x86_64::*;
 
     /// Larger heads take the portable path. 256: Gemma's heads.
     pub const MAX_D: usize = 256;
 
     /// Lane `l` of the result is `reduce_lanes(a[l])`, for all sixteen vectors at once
-    /// ([`crate::cpu::reduce::tree16`] adds the same pairs as the scalar tree).
+    /// ([`crate::cpu::lanes::tree16`] adds the same pairs as the scalar tree).
     #[inline(always)]
     unsafe fn reduce16(a: &[__m512; 16]) -> __m512 {
         tree16::reduce::<tree16::AddF32>(a)

@@ -9,6 +9,7 @@
 //! - `isa`: which instructions this CPU has (AVX2, AVX-512, VNNI, AMX), detected once.
 //! - `team`: the spinning thread team every kernel runs on.
 //! - `exp`: the exp polynomial every path shares.
+//! - `lanes`: the transposing 16-lane reduction tree (attention's scores, activation quantizing).
 //! - `storage`: candle CPU storage as slices, with layout checks.
 //! - `matmul`: the f32/f16 batch-invariant matmuls and their packed weights.
 //! - [`bf16`]: bf16 weights on AMX tiles.
@@ -20,6 +21,7 @@ pub(crate) mod attention;
 pub mod bf16;
 pub(crate) mod exp;
 pub(crate) mod isa;
+pub(crate) mod lanes;
 pub(crate) mod matmul;
 pub(crate) mod ops;
 pub mod quant;

@@ -178,7 +178,7 @@ pub(super) unsafe fn quantize_blocks_avx512(x: &[f32], q: &mut [i8], d: &mut [f3
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn quantize16_avx512(x: *const f32, q: *mut i8, d: *mut f32, sum: *mut i32, dsum: *mut f32) {
-    use crate::cpu::reduce::tree16;
+    use crate::cpu::lanes::tree16;
     use std::arch::x86_64::*;
     let mut v = [_mm512_setzero_ps(); 16];
     for (u, v) in v.iter_mut().enumerate() {
