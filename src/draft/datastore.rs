@@ -185,27 +185,14 @@ impl Datastore {
     /// Only suffixes longer than `longer_than` tokens are tried (a caller with a match of its
     /// own that long needs no shorter one: this runs at every step).
     pub fn continuation(&self, context: &[u32], max_tokens: usize, longer_than: usize) -> (usize, Vec<u32>) {
-        for n in (self.min_match.max(longer_than + 1).max(1)..=self.max_match.min(SORT_DEPTH / 2)).rev() {
-            if context.len() < n {
-                continue;
-            }
+        let lo = self.min_match.max(longer_than + 1).max(1);
+        let Some(top) = self.longest_occurring(context, lo, self.max_match.min(SORT_DEPTH / 2)) else { return (0, Vec::new()) };
+        for n in (lo..=top).rev() {
             let mut r = self.find(&context[context.len() - n..]);
-            if r.is_empty() {
-                continue;
-            }
             let mut out = Vec::new();
             while out.len() < max_tokens && n + out.len() < SORT_DEPTH {
                 let depth = n + out.len();
-                // Groups of equal next tokens are contiguous: step from group to group.
-                let (mut best, mut best_count, mut i) = (SEP, 0, r.start);
-                while i < r.end {
-                    let tok = self.at(i, depth);
-                    let g = self.narrow(i..r.end, depth, tok);
-                    if tok != SEP && g.len() > best_count {
-                        (best, best_count) = (tok, g.len());
-                    }
-                    i = g.end;
-                }
+                let (best, best_count) = self.most_followed(r.clone(), depth);
                 if best == SEP || best_count < 2 || (best_count as f64) < self.min_share * r.len() as f64 {
                     break;
                 }
@@ -217,6 +204,50 @@ impl Datastore {
             }
         }
         (0, Vec::new())
+    }
+
+    /// The longest `n` in `lo..=hi` whose last `n` tokens of `context` occur in the store (None:
+    /// not even `lo`). Occurrence only shrinks as `n` grows (an occurrence of a suffix holds one
+    /// of every shorter suffix), so a binary search finds it: about 3 lookups instead of up to 7
+    /// (each lookup is two binary searches over the whole array, cache misses mostly).
+    fn longest_occurring(&self, context: &[u32], lo: usize, hi: usize) -> Option<usize> {
+        let hi = hi.min(context.len());
+        let occurs = |n: usize| !self.find(&context[context.len() - n..]).is_empty();
+        if lo > hi || !occurs(lo) {
+            return None;
+        }
+        let (mut yes, mut no) = (lo, hi + 1);
+        while no - yes > 1 {
+            let mid = (yes + no) / 2;
+            if occurs(mid) {
+                yes = mid;
+            } else {
+                no = mid;
+            }
+        }
+        Some(yes)
+    }
+
+    /// The token at `depth` that most entries of `r` hold (the first in sorted order on a
+    /// tie; separators never), with its count; `(SEP, 0)` when none. A token that passes the
+    /// caller's `min_share` test holds a run of at least `s = floor(min_share * len)` entries,
+    /// so it holds one of the entries `s` apart: only their runs are measured, where walking
+    /// every run cost hundreds of binary searches after a common two-token suffix. The answer
+    /// is the full walk's whenever the caller's test can pass (the tests compare the two).
+    fn most_followed(&self, r: Range<usize>, depth: usize) -> (u32, usize) {
+        let step = (self.min_share * r.len() as f64).floor() as usize;
+        let (mut best, mut best_count, mut i) = (SEP, 0, r.start);
+        while i < r.end {
+            let tok = self.at(i, depth);
+            // A sampled entry may sit inside its run: measure the whole run.
+            let g = self.narrow(if step >= 2 { r.clone() } else { i..r.end }, depth, tok);
+            if tok != SEP && g.len() > best_count {
+                (best, best_count) = (tok, g.len());
+            }
+            // Past this run: every run, or the next one holding an entry `step` apart.
+            i = if step >= 2 { (r.start + (g.end - r.start).div_ceil(step) * step).max(g.end) } else { g.end };
+        }
+        (best, best_count)
     }
 }
 
@@ -270,6 +301,63 @@ mod tests {
         ds.min_share = 0.0;
         assert_eq!(ds.continuation(&[0, 2, 3], 5, 0), (2, vec![4, 5]));
         assert_eq!(ds.continuation(&[0, 2, 3], 5, 2), (0, vec![]));
+    }
+
+    /// The continuation as first written: every suffix length from the longest, every run.
+    fn continuation_by_full_walk(ds: &Datastore, context: &[u32], max_tokens: usize, longer_than: usize) -> (usize, Vec<u32>) {
+        for n in (ds.min_match.max(longer_than + 1).max(1)..=ds.max_match.min(SORT_DEPTH / 2)).rev() {
+            if context.len() < n {
+                continue;
+            }
+            let mut r = ds.find(&context[context.len() - n..]);
+            if r.is_empty() {
+                continue;
+            }
+            let mut out = Vec::new();
+            while out.len() < max_tokens && n + out.len() < SORT_DEPTH {
+                let depth = n + out.len();
+                let (mut best, mut best_count, mut i) = (SEP, 0, r.start);
+                while i < r.end {
+                    let tok = ds.at(i, depth);
+                    let g = ds.narrow(i..r.end, depth, tok);
+                    if tok != SEP && g.len() > best_count {
+                        (best, best_count) = (tok, g.len());
+                    }
+                    i = g.end;
+                }
+                if best == SEP || best_count < 2 || (best_count as f64) < ds.min_share * r.len() as f64 {
+                    break;
+                }
+                out.push(best);
+                r = ds.narrow(r, depth, best);
+            }
+            if !out.is_empty() {
+                return (n, out);
+            }
+        }
+        (0, Vec::new())
+    }
+
+    #[test]
+    fn sampled_runs_and_searched_lengths_give_the_full_walks_answer() {
+        // Small alphabets make long shared suffixes and contested followers.
+        let mut seed = 7u64;
+        let mut next = |m: u32| {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((seed >> 33) % m as u64) as u32
+        };
+        for alphabet in [2u32, 3, 5, 9] {
+            let seqs: Vec<Vec<u32>> = (0..30).map(|_| (0..60 + next(80)).map(|_| next(alphabet)).collect()).collect();
+            let mut ds = Datastore::from_sequences(seqs).unwrap();
+            for (share, min_match, max_match) in [(0.25, 2, 8), (0.1, 1, 12), (0.4, 2, 5), (0.0, 1, 8), (0.7, 3, 8)] {
+                (ds.min_share, ds.min_match, ds.max_match) = (share, min_match, max_match);
+                for _ in 0..300 {
+                    let ctx: Vec<u32> = (0..next(14)).map(|_| next(alphabet)).collect();
+                    let (max_tokens, longer) = (1 + next(6) as usize, next(4) as usize);
+                    assert_eq!(ds.continuation(&ctx, max_tokens, longer), continuation_by_full_walk(&ds, &ctx, max_tokens, longer), "{ctx:?} share {share}");
+                }
+            }
+        }
     }
 
     #[test]

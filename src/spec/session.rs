@@ -12,7 +12,7 @@ use std::time::Instant;
 use candle_core::Tensor;
 
 use crate::cpu::attention::TreeMask;
-use crate::cpu::reduce::row_to_vec;
+use crate::cpu::reduce::{row_to_vec, with_host_rows};
 use crate::decode::generate::{check_budget, GenStats, StopRule};
 use crate::decode::sampling::{Rng64, SamplingParams};
 use crate::draft::budget::{Budget, Calibration, CostCurve, Draft, LiveCosts, AFFORDABLE_COST, AUTO_NODES};
@@ -425,7 +425,11 @@ impl<'d> Sequence<'d> {
                 }
                 let (tree, tokens, drafted_nodes) = (&draft.tree, &draft.tokens, draft.drafted_nodes);
                 self.stats.lookup_nodes += tree.len() - drafted_nodes;
-                let verdict = verify(tree, tokens, &self.history, &self.opts.params, self.opts.rule, &mut self.rng, &mut |i| row_to_vec(&logits, i))?;
+                let (history, params, rule, rng) = (&self.history, &self.opts.params, self.opts.rule, &mut self.rng);
+                let verdict = with_host_rows(&logits, |data, vocab| {
+                    let row = |i: usize| data.get(i * vocab..(i + 1) * vocab).ok_or_else(|| Error::InvalidArgument(format!("no logits for tree node {i}")));
+                    verify(tree, tokens, history, params, rule, rng, &mut |i| row(i))
+                })?;
                 let t_commit = Instant::now();
                 let committed = self.cache.len() - tree.len();
                 let slots: Vec<usize> = verdict.accepted.iter().map(|&a| committed + a).collect();

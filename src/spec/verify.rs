@@ -64,14 +64,14 @@ pub struct Verdict {
 /// Verify one tree. `tokens[i]` is node i's token (`tokens[0]` the root, already emitted);
 /// `history` is everything emitted so far including the root; `logits_at(i)` gives the target's
 /// logits after node i (fetched lazily: only the nodes on the walk are read).
-pub fn verify(
+pub fn verify<'a>(
     tree: &Tree,
     tokens: &[u32],
     history: &[u32],
     params: &SamplingParams,
     rule: Rule,
     rng: &mut Rng64,
-    logits_at: &mut dyn FnMut(usize) -> Result<Vec<f32>>,
+    logits_at: &mut dyn FnMut(usize) -> Result<&'a [f32]>,
 ) -> Result<Verdict> {
     if let Rule::LossyTypical { epsilon, delta } = rule {
         return verify_typical(tree, tokens, history, params, epsilon, delta, rng, logits_at);
@@ -110,7 +110,7 @@ pub fn verify(
 /// Medusa's typical acceptance: a child passes when P(x) > min(eps, delta * exp(-H(P))); the
 /// deepest passing path wins; the final token is drawn from the last node's distribution.
 #[allow(clippy::too_many_arguments)]
-fn verify_typical(
+fn verify_typical<'a>(
     tree: &Tree,
     tokens: &[u32],
     history: &[u32],
@@ -118,7 +118,7 @@ fn verify_typical(
     epsilon: f64,
     delta: f64,
     rng: &mut Rng64,
-    logits_at: &mut dyn FnMut(usize) -> Result<Vec<f32>>,
+    logits_at: &mut dyn FnMut(usize) -> Result<&'a [f32]>,
 ) -> Result<Verdict> {
     // Temperature 0 would make every distribution one-hot; typical acceptance uses T >= a floor.
     let mut p = params.clone();
@@ -132,7 +132,7 @@ fn verify_typical(
         let u = *path.last().unwrap();
         let mut hist = history.to_vec();
         hist.extend(path[1..].iter().map(|&i| tokens[i]));
-        let dist = p.distribution(&logits_at(u)?, &hist);
+        let dist = p.distribution(logits_at(u)?, &hist);
         let entropy: f64 = -dist.iter().filter(|&&x| x > 0.0).map(|&x| x * x.ln()).sum::<f64>();
         let threshold = epsilon.min(delta * (-entropy).exp());
         for &c in tree.node(u).children.iter().rev() {
@@ -152,7 +152,7 @@ fn verify_typical(
     let final_tok = if params.is_greedy() {
         let mut hist = history.to_vec();
         hist.extend(emitted.iter());
-        params.choose(&logits_at(last)?, &hist, rng)
+        params.choose(logits_at(last)?, &hist, rng)
     } else {
         sample_from(&dists[&last], rng)
     };
@@ -221,11 +221,11 @@ mod tests {
             v
         };
         let table = [onehot(5), onehot(7), onehot(0), onehot(3)];
-        let v = verify(&tree, &tokens, &[9], &SamplingParams::greedy(), Rule::Greedy, &mut rng(0), &mut |i| Ok(table[i].clone())).unwrap();
+        let v = verify(&tree, &tokens, &[9], &SamplingParams::greedy(), Rule::Greedy, &mut rng(0), &mut |i| Ok(table[i].as_slice())).unwrap();
         assert_eq!(v.accepted, vec![0, 1, 3]);
         assert_eq!(v.emitted, vec![5, 7, 3]);
         let table2 = [onehot(4), onehot(7), onehot(0), onehot(3)];
-        let v = verify(&tree, &tokens, &[9], &SamplingParams::greedy(), Rule::Greedy, &mut rng(0), &mut |i| Ok(table2[i].clone())).unwrap();
+        let v = verify(&tree, &tokens, &[9], &SamplingParams::greedy(), Rule::Greedy, &mut rng(0), &mut |i| Ok(table2[i].as_slice())).unwrap();
         assert_eq!(v.accepted, vec![0]);
         assert_eq!(v.emitted, vec![4]);
     }
@@ -242,7 +242,7 @@ mod tests {
         let n = 60_000;
         let mut counts = [0usize; 4];
         for _ in 0..n {
-            let v = verify(&tree, &tokens, &[0], &params, Rule::Sample, &mut g, &mut |_| Ok(logits.clone())).unwrap();
+            let v = verify(&tree, &tokens, &[0], &params, Rule::Sample, &mut g, &mut |_| Ok(logits.as_slice())).unwrap();
             counts[v.emitted[0] as usize] += 1;
             assert!(v.accepted.len() <= 2);
         }
