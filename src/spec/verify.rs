@@ -84,7 +84,7 @@ pub fn verify<'a>(
         let logits = logits_at(u)?;
         // The target's own choice at this node, exactly as plain decoding makes it (the argmax,
         // or one inverse-CDF draw from P with this node's path as history).
-        let y = params.choose(&logits, &hist, rng);
+        let y = params.choose(logits, &hist, rng);
         match tree.node(u).children.iter().find(|&&c| tokens[c] == y) {
             Some(&c) => {
                 emitted.push(y);
@@ -95,7 +95,7 @@ pub fn verify<'a>(
             None if rule == Rule::BrokenResampleFromTarget && !params.is_greedy() => {
                 // Wrong on purpose: a rejected node draws afresh from P (a drafted token may
                 // come back), where the rule's remaining draw is from the residual.
-                emitted.push(params.choose(&logits, &hist, rng));
+                emitted.push(params.choose(logits, &hist, rng));
                 break;
             }
             None => {
