@@ -140,8 +140,10 @@ pub fn softmax(x: &Tensor) -> Result<Tensor> {
 /// the draft layer's time per step. One pass keeps the best `k` logits; the normaliser is
 /// [`crate::cpu::sum_exp_below`].
 pub fn top_k_rows(logits: &Tensor, k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
-    let rows = logits.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?;
-    Ok(rows.iter().map(|row| top_k_of_row(row, k)).collect())
+    with_host_rows(logits, |data, vocab| match vocab {
+        0 => Ok(vec![Vec::new(); logits.dim(0)?]),
+        _ => Ok(data.chunks(vocab).map(|row| top_k_of_row(row, k)).collect()),
+    })
 }
 
 fn top_k_of_row(row: &[f32], k: usize) -> Vec<(u32, f32)> {
