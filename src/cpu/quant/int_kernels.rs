@@ -121,22 +121,21 @@ pub(super) mod avx512_quant {
     /// How far ahead (in blocks of one panel) the weight stream is prefetched into L2.
     const PREFETCH_BLOCKS: usize = 24;
 
-    /// `MR` rows x `NR` panels; 8-bit or 4-bit codes, the latter with `H` planes of higher
-    /// bits (each set bit adds 16 or 32 to its code with one masked byte add); with two (Q6_K)
-    /// each half of a block keeps its own integer sum for its own scale.
+    /// `MR` rows (1 to 8) x one panel; 8-bit or 4-bit codes, the latter with `H` planes of
+    /// higher bits (each set bit adds 16 or 32 to its code with one masked byte add); with two
+    /// (Q6_K) each half of a block keeps its own integer sum for its own scale.
     #[inline(always)]
-    unsafe fn tile<const MR: usize, const NR: usize, const B4: bool, const H: u8, const OFS: bool>(a: &QuantActs, w: &PackedQuant, i0: usize, p0: usize, out: OutPtr) {
+    unsafe fn tile<const MR: usize, const B4: bool, const H: u8, const OFS: bool>(a: &QuantActs, w: &PackedQuant, i0: usize, p0: usize, out: OutPtr) {
+        const NR: usize = 1; // panels per tile
         let (k, n) = (w.k, w.n);
         let nb = k / QK;
         let stride = PackedQuant::stride(B4, H, OFS);
         let zero = w.zero.unwrap_or(0) as i32;
         let codes = PackedQuant::codes_bytes(B4, H);
         let (sixteen, thirty_two) = (_mm512_set1_epi8(16), _mm512_set1_epi8(32));
-        // Tiles with few outputs use two integer accumulators per output (exact, so
-        // splitting changes no bits) for enough independent chains to hide vpdpbusd's
-        // latency; 4x2 tiles have enough already and would run out of registers. Q6_K's
-        // halves need theirs apart anyway.
-        let split = H == 2 || MR <= 2 || (NR == 1 && MR <= 8);
+        // Two integer accumulators per output (exact, so splitting changes no bits): enough
+        // independent chains to hide vpdpbusd's latency in a one-panel tile. Q6_K's halves
+        // need theirs apart anyway.
         assert!(H != 2 || a.sum_lo.len() == a.sum.len(), "Q6_K weights need the activations' half sums");
         let base = w.data.as_ptr();
         let xq = a.q.as_ptr();
@@ -188,11 +187,7 @@ pub(super) mod avx512_quant {
                         let xh = _mm512_set1_epi32((row.add(16 + 4 * g) as *const i32).read_unaligned());
                         for jj in 0..NR {
                             isum[ii][jj] = _mm512_dpbusd_epi32(isum[ii][jj], lo[jj], xl);
-                            if split {
-                                isum2[ii][jj] = _mm512_dpbusd_epi32(isum2[ii][jj], hi[jj], xh);
-                            } else {
-                                isum[ii][jj] = _mm512_dpbusd_epi32(isum[ii][jj], hi[jj], xh);
-                            }
+                            isum2[ii][jj] = _mm512_dpbusd_epi32(isum2[ii][jj], hi[jj], xh);
                         }
                     }
                 }
@@ -210,16 +205,12 @@ pub(super) mod avx512_quant {
                         let xb = _mm512_set1_epi32((row.add(8 * g + 4) as *const i32).read_unaligned());
                         for jj in 0..NR {
                             isum[ii][jj] = _mm512_dpbusd_epi32(isum[ii][jj], wa[jj], xa);
-                            if split {
-                                isum2[ii][jj] = _mm512_dpbusd_epi32(isum2[ii][jj], wb[jj], xb);
-                            } else {
-                                isum[ii][jj] = _mm512_dpbusd_epi32(isum[ii][jj], wb[jj], xb);
-                            }
+                            isum2[ii][jj] = _mm512_dpbusd_epi32(isum2[ii][jj], wb[jj], xb);
                         }
                     }
                 }
             }
-            if split && H != 2 {
+            if H != 2 {
                 for ii in 0..MR {
                     for jj in 0..NR {
                         isum[ii][jj] = _mm512_add_epi32(isum[ii][jj], isum2[ii][jj]);
@@ -254,53 +245,45 @@ pub(super) mod avx512_quant {
         crate::cpu::matmul::avx512_packed::store_tile(&acc, i0, p0, n, out);
     }
 
+    /// One panel's rows: tiles of 8, then the rest in one tile. Every tile covers one panel,
+    /// so the panel's codes, unpacked once per tile, serve up to 8 rows. Why not 4-row x
+    /// 2-panel tiles (the choice below 8 rows until December 2026): a 5-row call then took a
+    /// 4-row tile and a 1-row one, each unpacking the codes, and cost what 8 rows cost. On the
+    /// 2-core Zen 4 (`bench --weights native`, SmolLM2, five interleaved rounds, the last four
+    /// quiet) one-panel tiles made 1-, 2-, 4-, 5- and 6-token forwards 3, 7, 9.5, 10 and 8%
+    /// faster (T = 4: 4.36-4.40 -> 3.93-4.03 ms), 8 and 16 tokens unchanged; the 1B-shaped
+    /// Q4_K model's 4-token forward 6% faster, its single tokens unchanged.
     #[inline(always)]
-    unsafe fn panels<const NR: usize, const B4: bool, const H: u8, const OFS: bool>(a: &QuantActs, m: usize, w: &PackedQuant, p: usize, out: OutPtr) {
+    unsafe fn panel<const B4: bool, const H: u8, const OFS: bool>(a: &QuantActs, m: usize, w: &PackedQuant, p: usize, out: OutPtr) {
         let mut i = 0;
-        if NR == 1 {
-            while i + 8 <= m {
-                tile::<8, 1, B4, H, OFS>(a, w, i, p, out);
-                i += 8;
-            }
-        }
-        while i + 4 <= m {
-            tile::<4, NR, B4, H, OFS>(a, w, i, p, out);
-            i += 4;
+        while i + 8 <= m {
+            tile::<8, B4, H, OFS>(a, w, i, p, out);
+            i += 8;
         }
         match m - i {
-            3 => tile::<3, NR, B4, H, OFS>(a, w, i, p, out),
-            2 => tile::<2, NR, B4, H, OFS>(a, w, i, p, out),
-            1 => tile::<1, NR, B4, H, OFS>(a, w, i, p, out),
+            7 => tile::<7, B4, H, OFS>(a, w, i, p, out),
+            6 => tile::<6, B4, H, OFS>(a, w, i, p, out),
+            5 => tile::<5, B4, H, OFS>(a, w, i, p, out),
+            4 => tile::<4, B4, H, OFS>(a, w, i, p, out),
+            3 => tile::<3, B4, H, OFS>(a, w, i, p, out),
+            2 => tile::<2, B4, H, OFS>(a, w, i, p, out),
+            1 => tile::<1, B4, H, OFS>(a, w, i, p, out),
             _ => {}
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn panels_of<const NR: usize>(a: &QuantActs, m: usize, w: &PackedQuant, p: usize, out: OutPtr) {
-        // Higher bits come only with a fixed zero code (Q5_0, Q6_K).
-        match (w.bits4, w.high, w.zero.is_none()) {
-            (true, 1, _) => panels::<NR, true, 1, false>(a, m, w, p, out),
-            (true, 2, _) => panels::<NR, true, 2, false>(a, m, w, p, out),
-            (true, _, true) => panels::<NR, true, 0, true>(a, m, w, p, out),
-            (true, _, false) => panels::<NR, true, 0, false>(a, m, w, p, out),
-            (false, _, true) => panels::<NR, false, 0, true>(a, m, w, p, out),
-            (false, _, false) => panels::<NR, false, 0, false>(a, m, w, p, out),
         }
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     pub unsafe fn block(a: &QuantActs, m: usize, w: &PackedQuant, p0: usize, p1: usize, out: OutPtr) {
-        // From 8 rows on, tiles of 8 rows x 1 panel: the panel's codes, unpacked once, serve
-        // twice as many rows as in a 4x2 tile (5% faster 8- and 16-row forwards, native).
-        // Q6_K keeps each half's sums apart, so 4x2 tiles would run out of registers: 1 panel.
-        let mut p = p0;
-        while m < 8 && w.high != 2 && p + 2 <= p1 {
-            panels_of::<2>(a, m, w, p, out);
-            p += 2;
-        }
-        while p < p1 {
-            panels_of::<1>(a, m, w, p, out);
-            p += 1;
+        for p in p0..p1 {
+            // Higher bits come only with a fixed zero code (Q5_0, Q6_K).
+            match (w.bits4, w.high, w.zero.is_none()) {
+                (true, 1, _) => panel::<true, 1, false>(a, m, w, p, out),
+                (true, 2, _) => panel::<true, 2, false>(a, m, w, p, out),
+                (true, _, true) => panel::<true, 0, true>(a, m, w, p, out),
+                (true, _, false) => panel::<true, 0, false>(a, m, w, p, out),
+                (false, _, true) => panel::<false, 0, true>(a, m, w, p, out),
+                (false, _, false) => panel::<false, 0, false>(a, m, w, p, out),
+            }
         }
     }
 }

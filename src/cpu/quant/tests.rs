@@ -251,11 +251,21 @@ fn portable_kernels_match_simd_bits() {
     let mut port = vec![0f32; 6 * n];
     f16_block(&x, 6, &f, 0, n.div_ceil(PANEL), OutPtr(port.as_mut_ptr()));
     assert_eq!(port, matmul_f16(&x, 6, &f));
-    for q in [QuantRows::quantize_q8_0(&w, n, k).unwrap(), q4_1_rows(&w, n, k), q4_0_rows(&w, n, k), q5_0_rows(&w, n, k)] {
+    // Every row count the SIMD kernel tiles differently (one tile of 1-8 rows, then 8 + more).
+    let x = rand_vec(17 * 256, 4);
+    let q6 = q6_k_rows(&rand_vec(n * 256, 5), n, 256);
+    for q in [QuantRows::quantize_q8_0(&w, n, k).unwrap(), q4_1_rows(&w, n, k), q4_0_rows(&w, n, k), q5_0_rows(&w, n, k), q6] {
         let pq = PackedQuant::pack(&q);
-        let mut port = vec![0f32; 6 * n];
-        quant_block(&quantize_acts(&x, 6, k), 6, &pq, 0, n.div_ceil(PANEL), OutPtr(port.as_mut_ptr()));
-        assert_eq!(port, matmul_quant(&x, 6, &pq), "{:?}", q.kind);
+        for m in 1..=17 {
+            let x = &x[..m * pq.k];
+            let mut port = vec![0f32; m * n];
+            let mut acts = quantize_acts(x, m, pq.k);
+            if pq.high == 2 {
+                acts.add_half_sums(m * (pq.k / QK));
+            }
+            quant_block(&acts, m, &pq, 0, n.div_ceil(PANEL), OutPtr(port.as_mut_ptr()));
+            assert_eq!(port, matmul_quant(x, m, &pq), "{:?} m={m}", q.kind);
+        }
     }
 }
 
