@@ -106,20 +106,21 @@ pub fn row_to_vec(logits: &Tensor, row: usize) -> Result<Vec<f32>> {
     Ok(logits.get(row)?.to_dtype(DType::F32)?.to_vec1()?)
 }
 
-/// Calls `f` with the values of a `[T, vocab]` f32 tensor as one host slice (row `i` at
-/// `i * vocab`) and `vocab`: borrowed where it already lies contiguous in CPU memory, else one
-/// copy. Why: verification reads a few rows of SmolLM2's 49,152 logits a step, and copying each
-/// row out was most of its 0.04 ms.
-pub fn with_host_rows<R>(logits: &Tensor, f: impl FnOnce(&[f32], usize) -> Result<R>) -> Result<R> {
+/// Calls `f` with the values of a `[T, vocab]` tensor as one host slice (row `i` at `i * vocab`)
+/// and `vocab`, borrowed, where it lies contiguous in CPU memory as f32; else with `None`, and the
+/// caller copies what it needs (all rows for a ranking, the few a verification walk visits off
+/// the CPU). The storage's read lock is held while `f` runs: `f` must not write to `logits`.
+/// Why: verification reads a few rows of SmolLM2's 49,152 logits a step, and copying each row
+/// out was most of its 0.04 ms.
+pub fn with_cpu_rows<R>(logits: &Tensor, f: impl FnOnce(Option<(&[f32], usize)>) -> Result<R>) -> Result<R> {
     let (_, vocab) = logits.dims2()?;
     if logits.dtype() == DType::F32 {
         let (storage, layout) = logits.storage_and_layout();
         if let (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(data)), Some((a, b))) = (&*storage, layout.contiguous_offsets()) {
-            return f(&data[a..b], vocab);
+            return f(Some((&data[a..b], vocab)));
         }
     }
-    let host: Vec<f32> = logits.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
-    f(&host, vocab)
+    f(None)
 }
 
 /// All rows of a `[T, vocab]` tensor, one host copy.
@@ -140,9 +141,10 @@ pub fn softmax(x: &Tensor) -> Result<Tensor> {
 /// the draft layer's time per step. One pass keeps the best `k` logits; the normaliser is
 /// [`crate::cpu::sum_exp_below`].
 pub fn top_k_rows(logits: &Tensor, k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
-    with_host_rows(logits, |data, vocab| match vocab {
-        0 => Ok(vec![Vec::new(); logits.dim(0)?]),
-        _ => Ok(data.chunks(vocab).map(|row| top_k_of_row(row, k)).collect()),
+    with_cpu_rows(logits, |rows| match rows {
+        Some((_, 0)) => Ok(vec![Vec::new(); logits.dim(0)?]),
+        Some((data, vocab)) => Ok(data.chunks(vocab).map(|row| top_k_of_row(row, k)).collect()),
+        None => Ok(rows_to_vec(logits)?.iter().map(|row| top_k_of_row(row, k)).collect()),
     })
 }
 
@@ -177,21 +179,25 @@ mod tests {
     use candle_core::Device;
 
     #[test]
-    fn host_rows_are_the_tensors_rows_borrowed_or_copied() {
+    fn cpu_rows_are_the_tensors_rows_borrowed_where_they_lie_contiguous() {
         let l = Tensor::new(&[[0.5f32, -1.0, 2.0], [3.0, 4.0, -5.0], [6.0, 7.5, 8.0]], &Device::Cpu).unwrap();
         let want = l.to_vec2::<f32>().unwrap();
-        // Contiguous f32 (borrowed), a view of its last two rows, a transposed copy's transpose
-        // (not contiguous) and f16 (both copied): each gives the same rows.
-        let back = l.t().unwrap().contiguous().unwrap().t().unwrap();
-        let cases = [(l.clone(), 0), (l.narrow(0, 1, 2).unwrap(), 1), (back, 0), (l.to_dtype(DType::F16).unwrap(), 0)];
-        for (t, skip) in cases {
-            with_host_rows(&t, |data, vocab| {
+        // Contiguous f32 and a view of its last two rows are borrowed; a transposed copy's
+        // transpose (not contiguous) and f16 are not.
+        for (t, skip) in [(l.clone(), 0), (l.narrow(0, 1, 2).unwrap(), 1)] {
+            with_cpu_rows(&t, |rows| {
+                let (data, vocab) = rows.expect("contiguous f32 on the CPU");
                 assert_eq!(vocab, 3);
-                let rows: Vec<Vec<f32>> = data.chunks(vocab).map(<[f32]>::to_vec).collect();
-                assert_eq!(rows, want[skip..].to_vec());
+                assert_eq!(data.chunks(vocab).map(<[f32]>::to_vec).collect::<Vec<_>>(), want[skip..].to_vec());
                 Ok(())
             })
             .unwrap();
+        }
+        let back = l.t().unwrap().contiguous().unwrap().t().unwrap();
+        for t in [back, l.to_dtype(DType::F16).unwrap()] {
+            assert!(with_cpu_rows(&t, |rows| Ok(rows.is_none())).unwrap());
+            // Ranking copies those: the same answer as from the borrowed rows.
+            assert_eq!(top_k_rows(&t, 2).unwrap(), top_k_rows(&l, 2).unwrap());
         }
     }
 

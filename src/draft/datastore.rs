@@ -186,9 +186,10 @@ impl Datastore {
     /// own that long needs no shorter one: this runs at every step).
     pub fn continuation(&self, context: &[u32], max_tokens: usize, longer_than: usize) -> (usize, Vec<u32>) {
         let lo = self.min_match.max(longer_than + 1).max(1);
-        let Some(top) = self.longest_occurring(context, lo, self.max_match.min(SORT_DEPTH / 2)) else { return (0, Vec::new()) };
+        let Some((top, found)) = self.longest_occurring(context, lo, self.max_match.min(SORT_DEPTH / 2)) else { return (0, Vec::new()) };
+        let mut found = Some(found);
         for n in (lo..=top).rev() {
-            let mut r = self.find(&context[context.len() - n..]);
+            let mut r = found.take().unwrap_or_else(|| self.find(&context[context.len() - n..]));
             let mut out = Vec::new();
             while out.len() < max_tokens && n + out.len() < SORT_DEPTH {
                 let depth = n + out.len();
@@ -206,23 +207,28 @@ impl Datastore {
         (0, Vec::new())
     }
 
-    /// The longest `n` in `lo..=hi` whose last `n` tokens of `context` occur in the store (None:
-    /// not even `lo`). Occurrence only shrinks as `n` grows (an occurrence of a suffix holds one
-    /// of every shorter suffix), so a binary search finds it: about 3 lookups instead of up to 7
-    /// (each lookup is two binary searches over the whole array, cache misses mostly).
-    fn longest_occurring(&self, context: &[u32], lo: usize, hi: usize) -> Option<usize> {
+    /// The longest `n` in `lo..=hi` whose last `n` tokens of `context` occur in the store, with
+    /// their entries (None: not even `lo`). Occurrence only shrinks as `n` grows (an occurrence
+    /// of a suffix holds one of every shorter suffix; context tokens are never the separator), so
+    /// a binary search finds it: `lo`, then at most 3 lookups for the default 2..=8, where trying
+    /// each length from the longest took up to 7 (each lookup is two binary searches over the
+    /// whole array, mostly cache misses).
+    fn longest_occurring(&self, context: &[u32], lo: usize, hi: usize) -> Option<(usize, Range<usize>)> {
         let hi = hi.min(context.len());
-        let occurs = |n: usize| !self.find(&context[context.len() - n..]).is_empty();
-        if lo > hi || !occurs(lo) {
+        let find = |n: usize| self.find(&context[context.len() - n..]);
+        if lo > hi {
             return None;
         }
-        let (mut yes, mut no) = (lo, hi + 1);
-        while no - yes > 1 {
-            let mid = (yes + no) / 2;
-            if occurs(mid) {
-                yes = mid;
-            } else {
-                no = mid;
+        let mut yes = (lo, find(lo));
+        if yes.1.is_empty() {
+            return None;
+        }
+        let mut no = hi + 1;
+        while no - yes.0 > 1 {
+            let mid = (yes.0 + no) / 2;
+            match find(mid) {
+                r if r.is_empty() => no = mid,
+                r => yes = (mid, r),
             }
         }
         Some(yes)
@@ -245,7 +251,7 @@ impl Datastore {
                 (best, best_count) = (tok, g.len());
             }
             // Past this run: every run, or the next one holding an entry `step` apart.
-            i = if step >= 2 { (r.start + (g.end - r.start).div_ceil(step) * step).max(g.end) } else { g.end };
+            i = if step >= 2 { r.start + (g.end - r.start).div_ceil(step) * step } else { g.end };
         }
         (best, best_count)
     }

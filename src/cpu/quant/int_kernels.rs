@@ -126,7 +126,9 @@ pub(super) mod avx512_quant {
     /// (Q6_K) each half of a block keeps its own integer sum for its own scale.
     #[inline(always)]
     unsafe fn tile<const MR: usize, const B4: bool, const H: u8, const OFS: bool>(a: &QuantActs, w: &PackedQuant, i0: usize, p0: usize, out: OutPtr) {
-        const NR: usize = 1; // panels per tile
+        // Panels per tile: one. The arrays keep the panel dimension of `store_tile`'s
+        // `[[__m512; NR]; MR]`, which the f32 kernel's wider tiles share.
+        const NR: usize = 1;
         let (k, n) = (w.k, w.n);
         let nb = k / QK;
         let stride = PackedQuant::stride(B4, H, OFS);

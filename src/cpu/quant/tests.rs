@@ -137,7 +137,7 @@ fn q5_0_and_q6_k_decode_as_candle_does() {
     }
 }
 
-/// Q6_K rows as candle quantizes them (k = 512: two super-blocks).
+/// Q6_K rows as candle quantizes them (`k` a multiple of 256, one super-block each).
 fn q6_k_rows(w: &[f32], n: usize, k: usize) -> QuantRows {
     use candle_core::quantized::{GgmlDType, QTensor};
     let t = candle_core::Tensor::from_vec(w.to_vec(), (n, k), &candle_core::Device::Cpu).unwrap();
