@@ -117,6 +117,31 @@ fn bad_arguments() {
     assert!(v[0]["roofline"]["read_bytes_per_s"].as_f64().unwrap() > 0.0);
 }
 
+/// `SELFSPEC_ISA` keeps the kernels below the CPU's widest path (how an AVX-512 machine times
+/// the AVX2 path); every path writes the same greedy text in every weight format, the report
+/// names the path taken, and a value it does not know is reported and ignored.
+#[test]
+fn every_kernel_path_writes_the_same_text() {
+    let (tiny, _) = tiny_gguf("cli-isa", 4);
+    let m = tiny.to_str().unwrap();
+    let with_isa = |isa: &str, args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_selfspec")).env("SELFSPEC_ISA", isa).args(args).output().unwrap();
+        assert!(out.status.success(), "SELFSPEC_ISA={isa} {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    for w in ["f32", "f16", "q8_0", "native"] {
+        let args = ["generate", "--model", m, "--prompt", "the cat sat", "--max-tokens", "12", "--weights", w];
+        let (want, _) = with_isa("avx512", &args);
+        for isa in ["avx2", "portable"] {
+            assert_eq!(with_isa(isa, &args).0, want, "--weights {w}: SELFSPEC_ISA={isa} wrote other text");
+        }
+    }
+    let (out, _) = with_isa("portable", &["bench", "--model", m, "--weights", "native", "--context", "8", "--tokens", "1", "--reps", "1"]);
+    assert!(out.contains("(portable"), "{out}");
+    let (_, err) = with_isa("sse9", &["generate", "--model", m, "--prompt", "x", "--max-tokens", "1"]);
+    assert!(err.contains("SELFSPEC_ISA=\"sse9\"") && err.contains("ignored"), "{err}");
+}
+
 #[test]
 fn bad_heads_and_trees() {
     let (tiny, t) = tiny_gguf("cli-heads", 3);

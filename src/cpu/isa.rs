@@ -16,7 +16,7 @@ pub(crate) enum Isa {
 pub(crate) fn has_avx2() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+        allowed() >= Cap::Avx2 && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
     }
     #[cfg(not(target_arch = "x86_64"))]
     false
@@ -55,12 +55,40 @@ pub fn cpu_kernels() -> String {
     s
 }
 
+/// The widest path `SELFSPEC_ISA` lets the kernels take.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
+enum Cap {
+    Portable,
+    Avx2,
+    Avx512,
+}
+
+/// `SELFSPEC_ISA=avx2` or `portable` keeps the kernels below what the CPU has (unset or
+/// `avx512`: no limit). Why: every path gives the same bits, so only speed tells them apart, and
+/// this is how a machine with AVX-512 measures the paths AVX2-only CPUs take (the kernel tests
+/// run every path the CPU has, whatever this says). An unknown value is reported and ignored.
+fn allowed() -> Cap {
+    static CAP: std::sync::OnceLock<Cap> = std::sync::OnceLock::new();
+    *CAP.get_or_init(|| match std::env::var("SELFSPEC_ISA") {
+        Err(_) => Cap::Avx512,
+        Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
+            "" | "avx512" => Cap::Avx512,
+            "avx2" => Cap::Avx2,
+            "portable" => Cap::Portable,
+            _ => {
+                eprintln!("warning: SELFSPEC_ISA={v:?} is not avx512, avx2 or portable; ignored");
+                Cap::Avx512
+            }
+        },
+    })
+}
+
 pub(crate) fn isa() -> Isa {
     static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
     *ISA.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512dq") {
+            if allowed() >= Cap::Avx512 && is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512dq") {
                 return Isa::Avx512;
             }
             if has_avx2() {
@@ -77,7 +105,7 @@ pub(crate) fn vnni() -> bool {
     *V.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vnni")
+            allowed() >= Cap::Avx512 && is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vnni")
         }
         #[cfg(not(target_arch = "x86_64"))]
         false
@@ -88,7 +116,7 @@ pub(crate) fn vnni() -> bool {
 pub fn amx_available() -> bool {
     static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *OK.get_or_init(|| {
-        if std::env::var("SELFSPEC_NO_AMX").is_ok_and(|v| v == "1") {
+        if std::env::var("SELFSPEC_NO_AMX").is_ok_and(|v| v == "1") || allowed() < Cap::Avx512 {
             return false;
         }
         #[cfg(all(target_arch = "x86_64", target_os = "linux"))]

@@ -163,13 +163,13 @@ impl SamplingParams {
 /// Plain and speculative sampling share this function, so both draw from the same distribution.
 fn exp_scaled(l: &[f32], max: f64, t: f64, p: &mut [f64]) {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") {
+    if crate::cpu::isa::isa() == crate::cpu::isa::Isa::Avx512 {
         // SAFETY: the feature was just detected.
         unsafe { exp_scaled_avx512(l, max, t, p) };
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+    if crate::cpu::isa::has_avx2() {
         // SAFETY: the features were just detected.
         unsafe { exp_scaled_avx2(l, max, t, p) };
         return;

@@ -113,7 +113,7 @@ fn isa_name() -> &'static str {
         if crate::cpu::isa::vnni() {
             return "AVX-512 FMA, AVX-512 VNNI";
         }
-        if is_x86_feature_detected!("avx512f") {
+        if crate::cpu::isa::isa() == crate::cpu::isa::Isa::Avx512 {
             return "AVX-512 FMA, AVX2 int8";
         }
         if crate::cpu::isa::has_avx2() {
@@ -203,7 +203,7 @@ pub fn f32_fma_peak() -> f64 {
     peak(&|iters| {
         #[cfg(target_arch = "x86_64")]
         {
-            if is_x86_feature_detected!("avx512f") {
+            if crate::cpu::isa::isa() == crate::cpu::isa::Isa::Avx512 {
                 // SAFETY: AVX-512F is present.
                 return unsafe { x86::fma512(iters, 0.5) };
             }
