@@ -65,8 +65,9 @@ enum Cap {
 
 /// `SELFSPEC_ISA=avx2` or `portable` keeps the kernels below what the CPU has (unset or
 /// `avx512`: no limit). Why: every path gives the same bits, so only speed tells them apart, and
-/// this is how a machine with AVX-512 measures the paths AVX2-only CPUs take (the kernel tests
-/// run every path the CPU has, whatever this says). An unknown value is reported and ignored.
+/// this is how a machine with AVX-512 measures the paths AVX2-only CPUs take. The kernel tests
+/// follow it too (leave it unset for them to cover every path the CPU has). An unknown value is
+/// reported and ignored.
 fn allowed() -> Cap {
     static CAP: std::sync::OnceLock<Cap> = std::sync::OnceLock::new();
     *CAP.get_or_init(|| match std::env::var("SELFSPEC_ISA") {
