@@ -113,6 +113,23 @@ pub(super) fn quant_block(a: &QuantActs, m: usize, w: &PackedQuant, p0: usize, p
     }
 }
 
+/// `$panel::<B4, H, OFS>(args)` for `w`'s code layout, so each SIMD kernel is compiled per
+/// layout: 4- or 8-bit codes (`B4`), planes of higher bits (`H`: 1 for Q5_0, 2 for Q6_K, which
+/// come only with a fixed zero code), offsets stored per block (`OFS`: Q4_1, Q4_K).
+#[cfg(target_arch = "x86_64")]
+macro_rules! by_layout {
+    ($w:expr, $panel:ident($($arg:expr),*)) => {
+        match ($w.bits4, $w.high, $w.zero.is_none()) {
+            (true, 1, _) => $panel::<true, 1, false>($($arg),*),
+            (true, 2, _) => $panel::<true, 2, false>($($arg),*),
+            (true, _, true) => $panel::<true, 0, true>($($arg),*),
+            (true, _, false) => $panel::<true, 0, false>($($arg),*),
+            (false, _, true) => $panel::<false, 0, true>($($arg),*),
+            (false, _, false) => $panel::<false, 0, false>($($arg),*),
+        }
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 pub(super) mod avx512_quant {
     use super::{OutPtr, PackedQuant, QuantActs, QK};
@@ -277,15 +294,7 @@ pub(super) mod avx512_quant {
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     pub unsafe fn block(a: &QuantActs, m: usize, w: &PackedQuant, p0: usize, p1: usize, out: OutPtr) {
         for p in p0..p1 {
-            // Higher bits come only with a fixed zero code (Q5_0, Q6_K).
-            match (w.bits4, w.high, w.zero.is_none()) {
-                (true, 1, _) => panel::<true, 1, false>(a, m, w, p, out),
-                (true, 2, _) => panel::<true, 2, false>(a, m, w, p, out),
-                (true, _, true) => panel::<true, 0, true>(a, m, w, p, out),
-                (true, _, false) => panel::<true, 0, false>(a, m, w, p, out),
-                (false, _, true) => panel::<false, 0, true>(a, m, w, p, out),
-                (false, _, false) => panel::<false, 0, false>(a, m, w, p, out),
-            }
+            by_layout!(w, panel(a, m, w, p, out));
         }
     }
 }
@@ -501,15 +510,7 @@ pub(super) mod avx2_quant {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn block(a: &QuantActs, m: usize, w: &PackedQuant, p0: usize, p1: usize, out: OutPtr) {
         for p in p0..p1 {
-            // Higher bits come only with a fixed zero code (Q5_0, Q6_K).
-            match (w.bits4, w.high, w.zero.is_none()) {
-                (true, 1, _) => panel::<true, 1, false>(a, m, w, p, out),
-                (true, 2, _) => panel::<true, 2, false>(a, m, w, p, out),
-                (true, _, true) => panel::<true, 0, true>(a, m, w, p, out),
-                (true, _, false) => panel::<true, 0, false>(a, m, w, p, out),
-                (false, _, true) => panel::<false, 0, true>(a, m, w, p, out),
-                (false, _, false) => panel::<false, 0, false>(a, m, w, p, out),
-            }
+            by_layout!(w, panel(a, m, w, p, out));
         }
     }
 }
