@@ -629,13 +629,6 @@ mod attend512 {
     /// Larger heads take the portable path. 256: Gemma's heads.
     pub const MAX_D: usize = 256;
 
-    /// Lane `l` of the result is `reduce_lanes(a[l])`, for all sixteen vectors at once
-    /// ([`crate::cpu::lanes::tree16`] adds the same pairs as the scalar tree).
-    #[inline(always)]
-    unsafe fn reduce16(a: &[__m512; 16]) -> __m512 {
-        tree16::reduce::<tree16::AddF32>(a)
-    }
-
     /// `exp_nonpositive` on 16 values with the same operations in the same order.
     #[inline(always)]
     unsafe fn exp16(x: __m512) -> __m512 {
@@ -686,7 +679,7 @@ mod attend512 {
                 acc[u] = _mm512_fmadd_ps(qc, E::load16(rows[u].add(c * LANES)), acc[u]);
             }
         }
-        _mm512_mul_ps(reduce16(&acc), scale)
+        _mm512_mul_ps(tree16::reduce::<tree16::AddF32>(&acc), scale)
     }
 
     /// Largest head (in 16-value chunks) whose score loop takes pairs two at a time: both

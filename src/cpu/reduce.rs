@@ -106,21 +106,30 @@ pub fn row_to_vec(logits: &Tensor, row: usize) -> Result<Vec<f32>> {
     Ok(logits.get(row)?.to_dtype(DType::F32)?.to_vec1()?)
 }
 
-/// Calls `f` with the values of a `[T, vocab]` tensor as one host slice (row `i` at `i * vocab`)
-/// and `vocab`, borrowed, where it lies contiguous in CPU memory as f32; else with `None`, and the
-/// caller copies what it needs (all rows for a ranking, the few a verification walk visits off
-/// the CPU). The storage's read lock is held while `f` runs: `f` must not write to `logits`.
+/// Calls `f` with an accessor for the rows of a `[T, vocab]` tensor: each row borrowed where the
+/// tensor lies contiguous in CPU memory as f32, else copied to the host when first asked for (a
+/// GPU's logits: a verification walk reads only the rows it visits). A row past `T` is an
+/// error. The storage's read lock is held while `f` runs: `f` must not write to `logits`.
 /// Why: verification reads a few rows of SmolLM2's 49,152 logits a step, and copying each row
 /// out was most of its 0.04 ms.
-pub fn with_cpu_rows<R>(logits: &Tensor, f: impl FnOnce(Option<(&[f32], usize)>) -> Result<R>) -> Result<R> {
-    let (_, vocab) = logits.dims2()?;
+pub fn with_rows<R>(logits: &Tensor, f: impl for<'a> FnOnce(&mut dyn FnMut(usize) -> Result<&'a [f32]>) -> Result<R>) -> Result<R> {
+    let (t, vocab) = logits.dims2()?;
+    let missing = |i: usize| crate::Error::InvalidArgument(format!("no logits row {i} of {t}"));
     if logits.dtype() == DType::F32 {
         let (storage, layout) = logits.storage_and_layout();
         if let (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(data)), Some((a, b))) = (&*storage, layout.contiguous_offsets()) {
-            return f(Some((&data[a..b], vocab)));
+            let data = &data[a..b];
+            return f(&mut |i| data.get(i * vocab..(i + 1) * vocab).ok_or_else(|| missing(i)));
         }
     }
-    f(None)
+    let copied: Vec<std::cell::OnceCell<Vec<f32>>> = (0..t).map(|_| std::cell::OnceCell::new()).collect();
+    f(&mut |i| {
+        let cell = copied.get(i).ok_or_else(|| missing(i))?;
+        if cell.get().is_none() {
+            let _ = cell.set(row_to_vec(logits, i)?);
+        }
+        Ok(cell.get().expect("just set").as_slice())
+    })
 }
 
 /// All rows of a `[T, vocab]` tensor, one host copy.
@@ -141,11 +150,8 @@ pub fn softmax(x: &Tensor) -> Result<Tensor> {
 /// the draft layer's time per step. One pass keeps the best `k` logits; the normaliser is
 /// [`crate::cpu::sum_exp_below`].
 pub fn top_k_rows(logits: &Tensor, k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
-    with_cpu_rows(logits, |rows| match rows {
-        Some((_, 0)) => Ok(vec![Vec::new(); logits.dim(0)?]),
-        Some((data, vocab)) => Ok(data.chunks(vocab).map(|row| top_k_of_row(row, k)).collect()),
-        None => Ok(rows_to_vec(logits)?.iter().map(|row| top_k_of_row(row, k)).collect()),
-    })
+    let t = logits.dim(0)?;
+    with_rows(logits, |row| (0..t).map(|i| Ok(top_k_of_row(row(i)?, k))).collect())
 }
 
 fn top_k_of_row(row: &[f32], k: usize) -> Vec<(u32, f32)> {
@@ -179,25 +185,22 @@ mod tests {
     use candle_core::Device;
 
     #[test]
-    fn cpu_rows_are_the_tensors_rows_borrowed_where_they_lie_contiguous() {
+    fn rows_are_the_tensors_rows_borrowed_or_copied() {
         let l = Tensor::new(&[[0.5f32, -1.0, 2.0], [3.0, 4.0, -5.0], [6.0, 7.5, 8.0]], &Device::Cpu).unwrap();
         let want = l.to_vec2::<f32>().unwrap();
         // Contiguous f32 and a view of its last two rows are borrowed; a transposed copy's
-        // transpose (not contiguous) and f16 are not.
-        for (t, skip) in [(l.clone(), 0), (l.narrow(0, 1, 2).unwrap(), 1)] {
-            with_cpu_rows(&t, |rows| {
-                let (data, vocab) = rows.expect("contiguous f32 on the CPU");
-                assert_eq!(vocab, 3);
-                assert_eq!(data.chunks(vocab).map(<[f32]>::to_vec).collect::<Vec<_>>(), want[skip..].to_vec());
-                Ok(())
+        // transpose (not contiguous) and f16 are copied row by row: the same rows either way.
+        let back = l.t().unwrap().contiguous().unwrap().t().unwrap();
+        let cases = [(l.clone(), 0), (l.narrow(0, 1, 2).unwrap(), 1), (back, 0), (l.to_dtype(DType::F16).unwrap(), 0)];
+        for (t, skip) in cases {
+            let rows = want.len() - skip;
+            let got = with_rows(&t, |row| {
+                assert!(row(rows).is_err(), "a row past the tensor");
+                (0..rows).map(|i| Ok(row(i)?.to_vec())).collect::<Result<Vec<_>>>()
             })
             .unwrap();
-        }
-        let back = l.t().unwrap().contiguous().unwrap().t().unwrap();
-        for t in [back, l.to_dtype(DType::F16).unwrap()] {
-            assert!(with_cpu_rows(&t, |rows| Ok(rows.is_none())).unwrap());
-            // Ranking copies those: the same answer as from the borrowed rows.
-            assert_eq!(top_k_rows(&t, 2).unwrap(), top_k_rows(&l, 2).unwrap());
+            assert_eq!(got, want[skip..].to_vec());
+            assert_eq!(top_k_rows(&t, 2).unwrap(), top_k_rows(&l, 2).unwrap()[skip..].to_vec());
         }
     }
 

@@ -12,7 +12,7 @@ use std::time::Instant;
 use candle_core::Tensor;
 
 use crate::cpu::attention::TreeMask;
-use crate::cpu::reduce::{row_to_vec, with_cpu_rows};
+use crate::cpu::reduce::{row_to_vec, with_rows};
 use crate::decode::generate::{check_budget, GenStats, StopRule};
 use crate::decode::sampling::{Rng64, SamplingParams};
 use crate::draft::budget::{Budget, Calibration, CostCurve, Draft, LiveCosts, AFFORDABLE_COST, AUTO_NODES};
@@ -426,24 +426,7 @@ impl<'d> Sequence<'d> {
                 let (tree, tokens, drafted_nodes) = (&draft.tree, &draft.tokens, draft.drafted_nodes);
                 self.stats.lookup_nodes += tree.len() - drafted_nodes;
                 let (history, params, rule, rng) = (&self.history, &self.opts.params, self.opts.rule, &mut self.rng);
-                // Rows the walk visits, copied when the logits are not on the CPU (a GPU's).
-                let copied: Vec<std::cell::OnceCell<Vec<f32>>> = (0..tree.len()).map(|_| std::cell::OnceCell::new()).collect();
-                let verdict = with_cpu_rows(&logits, |rows| {
-                    let row = |i: usize| -> Result<&[f32]> {
-                        let missing = || Error::InvalidArgument(format!("no logits for tree node {i}"));
-                        match rows {
-                            Some((data, vocab)) => data.get(i * vocab..(i + 1) * vocab).ok_or_else(missing),
-                            None => {
-                                let cell = copied.get(i).ok_or_else(missing)?;
-                                if cell.get().is_none() {
-                                    let _ = cell.set(row_to_vec(&logits, i)?);
-                                }
-                                Ok(cell.get().expect("just set").as_slice())
-                            }
-                        }
-                    };
-                    verify(tree, tokens, history, params, rule, rng, &mut |i| row(i))
-                })?;
+                let verdict = with_rows(&logits, |row| verify(tree, tokens, history, params, rule, rng, row))?;
                 let t_commit = Instant::now();
                 let committed = self.cache.len() - tree.len();
                 let slots: Vec<usize> = verdict.accepted.iter().map(|&a| committed + a).collect();
