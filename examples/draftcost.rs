@@ -3,6 +3,8 @@
 //! weights default to native). Commit timings use a made-up accepted path of two nodes.
 //! `DRAFT_FORMAT=bf16` (or f32, q8_0, ...) drafts in another format than the default (`native`:
 //! 4-bit blocks for a draft layer, 8-bit for heads).
+//! `DRAFTCOST_COLD=1` runs a 4-row target forward (and its logits) before each propose and
+//! commit, as a decoding step does, so the drafter's weights meet the caches a step leaves.
 use std::time::Instant;
 
 use selfspec::draft::drafter::Drafter;
@@ -29,7 +31,18 @@ fn main() -> anyhow::Result<()> {
     for spec in ["chain:1", "chain:2", "chain:3", "chain:5", "cpu", "dynamic:8", "dynamic:16", "dynamic:28"] {
         let choice = TreeChoice::parse(spec)?;
         let (mut p, mut c) = (Vec::new(), Vec::new());
+        let cold = std::env::var("DRAFTCOST_COLD").is_ok_and(|v| v == "1");
+        let mut tcache = target.model.new_cache()?;
+        target.model.forward_causal(&prompt, &mut tcache)?;
+        let base = tcache.len();
         for _ in 0..21 {
+            if cold {
+                tcache.truncate(base);
+                let toks = [42u32, 7, 9, 11];
+                let pos: Vec<usize> = (base..base + 4).collect();
+                let h = target.model.forward(&toks, &pos, &selfspec::cpu::TreeMask::causal(4), &mut tcache)?;
+                std::hint::black_box(target.model.logits(&h)?);
+            }
             let t = Instant::now();
             let prop = state.propose(&target.model, 42, &choice, 1, usize::MAX, 0.0)?;
             p.push(t.elapsed().as_secs_f64() * 1e3);
