@@ -25,7 +25,7 @@ pub struct ModelArgs {
     pub device: String,
     /// CPU weight format: f32 (dequantised reference), f16, bf16 (AMX tiles where the CPU has
     /// them, slow elsewhere), q8_0, or native (the GGUF's own Q8_0/Q4_0/Q4_1/Q5_0/Q4_K/Q6_K
-    /// blocks, int8 arithmetic; other types as Q8_0). GPUs always use f32. [default: f32; bench: all]
+    /// blocks, int8 arithmetic; F32/F16 tensors kept as they are, other types requantised to Q8_0). GPUs always use f32. [default: f32; bench: all]
     #[arg(long)]
     pub weights: Option<WeightFormat>,
     /// KV cache element type: f16 (half the bytes for attention to read; the default on the

@@ -23,7 +23,8 @@ pub struct Cli {
 enum Command {
     /// Generate text from a prompt (plain decoding, or self-speculative with --drafter).
     Generate(generate::GenerateArgs),
-    /// Self-distillation: the target answers each prompt through its chat template; one JSONL
+    /// Self-distillation: the target answers each prompt through its chat template (as plain
+    /// text for a base model without one); one JSONL
     /// record per answer, appended as soon as it is done (a killed run resumes).
     Distill(distill::DistillArgs),
     /// Train a drafter (Medusa-style heads or an EAGLE-style draft layer) with the target frozen.
@@ -33,8 +34,8 @@ enum Command {
     /// Measure the drafter's accuracy and this device's forward costs; write the tree that
     /// maximises expected speed-up.
     Tune(tune::TuneArgs),
-    /// Re-save a drafter: heads in the FasterDecoding/Medusa format or as f16/f32, a draft layer
-    /// as f32, f16 or q8.
+    /// Re-save a drafter: heads in the Medusa layout (FasterDecoding/TGI or vLLM) or as f16/f32;
+    /// a draft layer as f32, f16, q8, q4 or an EAGLE-3 checkpoint (SpecForge/vLLM).
     #[command(alias = "export-heads")]
     Export(export::ExportArgs),
     /// Time one forward over T new tokens after a context, for each T and weight format.

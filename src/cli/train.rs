@@ -57,15 +57,15 @@ pub struct TrainArgs {
     /// Keep the backbone's hidden states here, so later runs and epochs cost only the drafter.
     #[arg(long)]
     cache_hidden: Option<PathBuf>,
-    /// Stop after this many steps (the checkpoint stays; --resume continues).
+    /// Stop after this many steps (0: no limit; the checkpoint stays, --resume continues).
     #[arg(long, default_value_t = 0)]
     max_steps: usize,
     /// Draft from the N most frequent corpus tokens (FR-Spec style; 0 = full vocabulary).
     /// Cheaper to train and to run; verification still uses the full vocabulary.
     #[arg(long, default_value_t = 8192)]
     draft_vocab: usize,
-    /// Plain Medusa heads that do not read the root token's embedding (exportable to the
-    /// Medusa format).
+    /// Plain Medusa heads that do not read the root token's embedding (exportable as
+    /// medusa-vllm; with --draft-vocab 0 also as FasterDecoding's medusa).
     #[arg(long)]
     no_root_token: bool,
     /// Train an EAGLE-style draft layer (one decoder layer over the target's features,

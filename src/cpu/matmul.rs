@@ -504,7 +504,7 @@ pub(crate) mod avx512_packed {
         }
     }
 
-    /// Inputs per slice when the rows need more than one tile (13 rows or more; 7-12 rows go
+    /// Inputs per slice when the rows need more than one tile (17 rows or more; 7-16 rows go
     /// through [`one_pass`]).
     ///
     /// Why slices: with rows in several tiles, running each tile over all of `k` in turn streams

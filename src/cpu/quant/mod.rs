@@ -69,8 +69,8 @@ pub enum WeightFormat {
     /// 8-bit blocks requantised from f32 (GGUF Q8_0 layout), int8 arithmetic.
     Q8_0,
     /// Each tensor in the GGUF's own format where a kernel exists (F32, F16, Q8_0, Q4_0, Q4_1,
-    /// Q4_K); other GGUF types (Q5_*, Q6_K, ...) are requantised to Q8_0. Hugging Face models have no native quantization
-    /// and use f32.
+    /// Q5_0, Q4_K, Q6_K); other GGUF types (Q5_1, Q2_K, Q3_K, Q5_K, ...) are requantised to
+    /// Q8_0. Hugging Face models have no native quantization and use f32.
     Native,
 }
 
