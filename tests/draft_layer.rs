@@ -108,6 +108,26 @@ fn odd_widths_fall_back_to_f16_and_bare_chain_is_full_depth() {
     assert!(steps > 0 && stats.tree_nodes_total > 5 * steps, "{} nodes over {steps} steps", stats.tree_nodes_total);
 }
 
+/// `--widen-vocab`: a layer trained over a few tokens, trained on with more; the old tokens stay,
+/// the data's most frequent others join (in id order), and a smaller size or no `--init` is refused.
+#[test]
+fn widening_the_vocabulary_keeps_the_old_tokens_and_adds_the_datas() {
+    let (_, t) = tiny_gguf("layer-widen", 33);
+    let first = scratch("layer-widen-a");
+    let (small, _) = run(&t, &TrainConfig { draft_vocab: 12, max_steps: 2, ..quick_cfg() }, &first, false);
+    small.save_as(&first, StoreFormat::F32).unwrap();
+    let (wide, _) = run(&t, &TrainConfig { init: Some(first.clone()), widen_vocab: 20, max_steps: 1, ..quick_cfg() }, &scratch("layer-widen-b"), false);
+    let (old, new) = (small.draft_vocab(), wide.draft_vocab());
+    assert_eq!((old.len(), new.len()), (12, 20));
+    assert!(old.iter().all(|x| new.contains(x)) && new.windows(2).all(|w| w[0] < w[1]), "{old:?} -> {new:?}");
+    let e = train_layer(&t, &corpus(), &TrainConfig { init: Some(first.clone()), widen_vocab: 8, ..quick_cfg() }, &scratch("layer-widen-c"), false, None, &mut |_, _, _, _, _| {}, &mut |_| {})
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(e.contains("already has 12"), "{e}");
+    assert!(TrainConfig { widen_vocab: 20, ..quick_cfg() }.validate().is_err());
+}
+
 
 fn quick_cfg() -> TrainConfig {
     TrainConfig {

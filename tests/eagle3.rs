@@ -114,6 +114,36 @@ fn drafting_keeps_greedy_output_exact_and_an_unattached_target_is_refused() {
     }
 }
 
+/// `--widen-vocab` on an EAGLE-3 layer: its own head keeps its trained rows for the old tokens and
+/// starts the added ones from the target's rows.
+#[test]
+fn widening_keeps_the_heads_trained_rows_and_starts_new_ones_from_the_targets() {
+    let mut t = deep_tiny("e3-widen", 44);
+    t.model.set_feature_layers(&LAYERS).unwrap();
+    let first = scratch("e3-widen-a");
+    let (small, _) = train_layer(&t, &corpus(), &TrainConfig { draft_vocab: 12, max_steps: 3, ..quick_cfg() }, &first, false, None, &mut |_, _, _, _, _| {}, &mut |_| {}).unwrap();
+    small.save_as(&first, StoreFormat::F32).unwrap();
+    // A learning rate too small to move anything: the widened head is what the warm start built.
+    let cfg = TrainConfig { init: Some(first.clone()), widen_vocab: 20, max_steps: 1, lr: 1e-12, ..quick_cfg() };
+    let (wide, _) = train_layer(&t, &corpus(), &cfg, &scratch("e3-widen-b"), false, None, &mut |_, _, _, _, _| {}, &mut |_| {}).unwrap();
+    let (old, new) = (small.draft_vocab().to_vec(), wide.draft_vocab().to_vec());
+    assert_eq!(new.len(), 20);
+    let head = |l: &DraftLayer| l.weights().unwrap()["lm_head.weight"].clone();
+    let (h_old, h_new) = (head(&small), head(&wide));
+    let target_rows = t.model.lm_head_rows(&new).unwrap();
+    let mut trained_rows_differ = false;
+    for (i, tok) in new.iter().enumerate() {
+        let got = to_vec(&h_new.narrow(0, i, 1).unwrap());
+        let want = match old.iter().position(|o| o == tok) {
+            Some(r) => to_vec(&h_old.narrow(0, r, 1).unwrap()),
+            None => to_vec(&target_rows.narrow(0, i, 1).unwrap()),
+        };
+        assert!(got.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-5), "row of token {tok}");
+        trained_rows_differ |= old.contains(tok) && to_vec(&target_rows.narrow(0, i, 1).unwrap()) != got;
+    }
+    assert!(trained_rows_differ, "training moved the old rows away from the target's");
+}
+
 fn quick_cfg() -> TrainConfig {
     TrainConfig {
         draft_layer: true,

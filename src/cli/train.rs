@@ -103,6 +103,12 @@ pub struct TrainArgs {
     /// same N; 1 is the single-pass training of earlier versions.
     #[arg(long, default_value_t = 2)]
     grad_groups: usize,
+    /// With --init (a draft layer): grow its draft vocabulary to N tokens, adding this data's
+    /// most frequent tokens it lacks, so new data brings its words along. An EAGLE layer reads
+    /// them through the target's own lm_head rows (no new weights); an EAGLE-3 layer's head gets
+    /// the target's rows for them to start from.
+    #[arg(long, value_name = "N", requires = "init")]
+    widen_vocab: Option<usize>,
 }
 
 impl TrainArgs {
@@ -133,6 +139,7 @@ impl TrainArgs {
             feature_layers: self.feature_layers.clone(),
             init: self.init.clone(),
             grad_groups: self.grad_groups,
+            widen_vocab: self.widen_vocab.unwrap_or(0),
         }
     }
 }

@@ -79,6 +79,11 @@ pub struct TrainConfig {
     /// threads; checkpoints that lack it were made with one group.
     #[serde(default = "one")]
     pub grad_groups: usize,
+    /// Draft layer with `init`: grow its draft vocabulary to this many tokens, adding this
+    /// corpus's most frequent tokens it lacks (0: keep `init`'s). See
+    /// [`crate::train::layer::widened_vocab`].
+    #[serde(default)]
+    pub widen_vocab: usize,
 }
 
 /// More groups than this would leave most of a batch's groups a chunk or less.
@@ -116,6 +121,7 @@ impl Default for TrainConfig {
             feature_layers: Vec::new(),
             init: None,
             grad_groups: 2,
+            widen_vocab: 0,
         }
     }
 }
@@ -158,6 +164,9 @@ impl TrainConfig {
         }
         if self.own_lm_head && self.draft_vocab > 0 {
             return bad("--own-lm-head needs the full vocabulary: add --draft-vocab 0");
+        }
+        if self.widen_vocab > 0 && (!self.draft_layer || self.init.is_none()) {
+            return bad("--widen-vocab grows the draft vocabulary of a draft layer it starts from: add --draft-layer and --init");
         }
         if !(1..=MAX_GRAD_GROUPS).contains(&self.grad_groups) {
             return Err(Error::InvalidArgument(format!("--grad-groups must be in 1..={MAX_GRAD_GROUPS}")));

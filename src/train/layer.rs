@@ -5,6 +5,7 @@
 //! the cross-entropy between the layer's guess for token t+s+2 and the target's own distribution
 //! there (softmax of lm_head over the real feature f_{t+s+1}), plus optionally a smooth-L1
 //! regression of the predicted feature onto f_{t+s+1}, weighted `decay^s`.
+use std::collections::HashMap;
 use std::path::Path;
 
 use candle_core::{Tensor, D};
@@ -138,6 +139,31 @@ pub fn validate_layer(layer: &TrainLayer, ids: &[u32], target: &Target, chunks: 
 }
 
 /// Train a draft layer on `docs`, writing checkpoints into `out`.
+/// `old` (a trained layer's draft vocabulary) grown to `n` tokens with the most frequent of the
+/// others in `chunks` (ties to the lower id), in id order as every draft vocabulary is. Why: a
+/// vocabulary is fixed when a layer is first trained, from that run's corpus; data on new
+/// subjects brings words it lacks (8% of SmolLM2's tokens on the bundled eval prompts lay outside
+/// the committed layer's 8,191), and only training with them in the vocabulary teaches the
+/// layer to guess them (reading them untrained through the target's rows changed nothing).
+pub fn widened_vocab<'a>(old: &[u32], chunks: impl Iterator<Item = &'a [u32]>, n: usize) -> Result<Vec<u32>> {
+    if n < old.len() {
+        return Err(Error::InvalidArgument(format!("--widen-vocab {n}: the draft layer already has {} tokens", old.len())));
+    }
+    let have: std::collections::HashSet<u32> = old.iter().copied().collect();
+    let mut counts: HashMap<u32, usize> = HashMap::new();
+    for c in chunks {
+        for &t in c.iter().filter(|t| !have.contains(t)) {
+            *counts.entry(t).or_default() += 1;
+        }
+    }
+    let mut by_freq: Vec<(u32, usize)> = counts.into_iter().collect();
+    by_freq.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    let mut ids: Vec<u32> = old.to_vec();
+    ids.extend(by_freq.into_iter().take(n - old.len()).map(|x| x.0));
+    ids.sort_unstable();
+    Ok(ids)
+}
+
 /// Held-out accuracy per level of the draft layer in `cfg.init` on the chunks a `train
 /// --draft-layer` run with `cfg` and these `docs` holds out, computing hidden states for those
 /// chunks only (see [`crate::train::held_out_accuracy`]).
@@ -188,10 +214,19 @@ pub fn train_layer(
     let vocab = target.model.config().vocab_size;
     let init = cfg.init.as_deref().map(|dir| crate::draft::drafter::load_layer(dir, target)).transpose()?;
     let ids = match &init {
+        Some(l) if cfg.widen_vocab > 0 => widened_vocab(l.draft_vocab(), train_set.iter().map(|c| c.tokens()), cfg.widen_vocab.min(vocab))?,
         Some(l) => l.draft_vocab().to_vec(),
         None => frequent_tokens(train_set.iter().map(|c| c.tokens()), cfg.draft_vocab.min(vocab), &target.tokenizer.eos_ids),
     };
-    log(format!("draft vocabulary: {} tokens{}", ids.len(), if init.is_some() { ", as --init's" } else { ", the corpus's most frequent" }));
+    log(format!(
+        "draft vocabulary: {} tokens{}",
+        ids.len(),
+        match (&init, cfg.widen_vocab) {
+            (Some(l), w) if w > 0 => format!(", --init's {} and this corpus's most frequent others", l.draft_vocab().len()),
+            (Some(_), _) => ", as --init's".into(),
+            (None, _) => ", the corpus's most frequent".into(),
+        }
+    ));
     let lcfg = if cfg.eagle3 { DraftLayerConfig::for_target_eagle3(target, ids.len(), &layers)? } else { DraftLayerConfig::for_target(target, ids.len())? };
     if let Some(l) = &init {
         if l.config().arch != lcfg.arch {
@@ -201,7 +236,21 @@ pub fn train_layer(
     let varmap = VarMap::new();
     let layer = TrainLayer::init(&varmap, lcfg.clone(), &ids, &target.model, cfg.seed)?;
     if let (Some(l), Some(dir)) = (&init, &cfg.init) {
-        crate::train::warm_start(&varmap, l.weights()?, dir)?;
+        let mut from = l.weights()?.clone();
+        if ids.len() != l.draft_vocab().len() {
+            if let Some(old) = from.get("lm_head.weight") {
+                // EAGLE-3's own head: its trained rows where it had them, the target's rows for
+                // the added tokens (as a fresh layer starts).
+                let fresh = target.model.lm_head_rows(&ids)?;
+                let row_of: HashMap<u32, usize> = l.draft_vocab().iter().enumerate().map(|(i, &t)| (t, i)).collect();
+                let rows = ids.iter().enumerate().map(|(i, t)| match row_of.get(t) {
+                    Some(&r) => old.narrow(0, r, 1),
+                    None => fresh.narrow(0, i, 1),
+                }).collect::<candle_core::Result<Vec<_>>>()?;
+                from.insert("lm_head.weight".into(), Tensor::cat(&rows, 0)?.to_dtype(candle_core::DType::F32)?);
+            }
+        }
+        crate::train::warm_start(&varmap, &from, dir)?;
         log(format!("starting from the draft layer in {}", dir.display()));
     }
     let mut opt = AdamW::new(&varmap, cfg.weight_decay)?;
@@ -242,4 +291,25 @@ pub fn train_layer(
     let mut trained = DraftLayer::from_tensors(layer.tensors()?, ids, lcfg, &target.model)?;
     crate::cpu::quant::with_block_fallback(target.model.weight_format(), |f| trained.set_format(f))?;
     Ok((trained, report))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::widened_vocab;
+
+    #[test]
+    fn widened_vocab_keeps_the_old_ids_and_adds_the_most_frequent_others_in_id_order() {
+        let chunks: Vec<Vec<u32>> = vec![vec![5, 9, 9, 2, 7, 7, 7], vec![9, 8, 3, 3, 1]];
+        // Others by count: 7 (3), 9 (3), 3 (2), then 2, 8 once each (ties to the lower id).
+        let w = widened_vocab(&[1, 5], chunks.iter().map(|c| c.as_slice()), 5).unwrap();
+        assert_eq!(w, vec![1, 3, 5, 7, 9]);
+        let w = widened_vocab(&[1, 5], chunks.iter().map(|c| c.as_slice()), 6).unwrap();
+        assert_eq!(w, vec![1, 2, 3, 5, 7, 9]);
+        // Fewer new tokens than asked for: all of them.
+        assert_eq!(widened_vocab(&[1, 5], chunks.iter().map(|c| c.as_slice()), 50).unwrap(), vec![1, 2, 3, 5, 7, 8, 9]);
+        // The same size: unchanged; smaller: refused, naming the flag.
+        assert_eq!(widened_vocab(&[1, 5], chunks.iter().map(|c| c.as_slice()), 2).unwrap(), vec![1, 5]);
+        let e = widened_vocab(&[1, 5], chunks.iter().map(|c| c.as_slice()), 1).unwrap_err().to_string();
+        assert!(e.contains("--widen-vocab"), "{e}");
+    }
 }
