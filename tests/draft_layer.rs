@@ -126,6 +126,7 @@ fn widening_the_vocabulary_keeps_the_old_tokens_and_adds_the_datas() {
         .to_string();
     assert!(e.contains("already has 12"), "{e}");
     assert!(TrainConfig { widen_vocab: 20, ..quick_cfg() }.validate().is_err());
+    assert!(TrainConfig { draft_layer: false, init: Some(first), widen_vocab: 20, ..quick_cfg() }.validate().is_err(), "heads are refused");
 }
 
 

@@ -107,7 +107,7 @@ pub struct TrainArgs {
     /// most frequent tokens it lacks, so new data brings its words along. An EAGLE layer reads
     /// them through the target's own lm_head rows (no new weights); an EAGLE-3 layer's head gets
     /// the target's rows for them to start from.
-    #[arg(long, value_name = "N", requires = "init")]
+    #[arg(long, value_name = "N", requires = "init", conflicts_with = "validate_only")]
     widen_vocab: Option<usize>,
 }
 

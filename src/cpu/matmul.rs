@@ -511,7 +511,7 @@ pub(crate) mod avx512_packed {
     /// the panels from memory during the first tile and from L2 during the others, with the
     /// memory bus idle meanwhile. Taking every tile over one slice of the panels (16 KB of f32,
     /// in L1) before the next keeps the weight stream steadier; the overlap is still partial (the
-    /// bus idles while the tiles after the first run), which is why 7-12 rows avoid slices.
+    /// bus idles while the tiles after the first run), which is why 7-16 rows avoid slices.
     const K_SLICE: usize = 64;
     /// How far ahead (in inputs) the first tile of a slice prefetches: well inside the next
     /// slice rather than all of it. Fetching the whole next slice during the first tile leaves

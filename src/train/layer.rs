@@ -138,7 +138,6 @@ pub fn validate_layer(layer: &TrainLayer, ids: &[u32], target: &Target, chunks: 
     Ok(HeadAccuracy { positions: counts[0], top1: frac(&top1), top5: frac(&top5), tau_chain, tau_tree })
 }
 
-/// Train a draft layer on `docs`, writing checkpoints into `out`.
 /// `old` (a trained layer's draft vocabulary) grown to `n` tokens with the most frequent of the
 /// others in `chunks` (ties to the lower id), in id order as every draft vocabulary is. Why: a
 /// vocabulary is fixed when a layer is first trained, from that run's corpus; data on new
@@ -185,6 +184,7 @@ pub(crate) fn held_out_accuracy_of(from: &DraftLayer, target: &Target, docs: &[D
 }
 
 #[allow(clippy::too_many_arguments)]
+/// Train a draft layer on `docs`, writing checkpoints into `out`.
 pub fn train_layer(
     target: &Target,
     docs: &[Document],
@@ -207,12 +207,16 @@ pub fn train_layer(
         )));
     }
     std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
+    // The starting layer first: a wrong --widen-vocab is refused before the hidden states are computed.
+    let init = cfg.init.as_deref().map(|dir| crate::draft::drafter::load_layer(dir, target)).transpose()?;
+    if let Some(l) = init.as_ref().filter(|_| cfg.widen_vocab > 0) {
+        widened_vocab(l.draft_vocab(), std::iter::empty(), cfg.widen_vocab)?;
+    }
     let Prepared { train_set, val_set, train_tokens, val_tokens, hidden_secs } = prepare(target, docs, cfg, cfg.unroll + 2, cache_hidden, true, log)?;
     let (per_epoch, batches_for_epoch) = epoch_batches(&train_set, cfg);
     let total_steps = per_epoch * cfg.epochs;
     let device = target.model.device().clone();
     let vocab = target.model.config().vocab_size;
-    let init = cfg.init.as_deref().map(|dir| crate::draft::drafter::load_layer(dir, target)).transpose()?;
     let ids = match &init {
         Some(l) if cfg.widen_vocab > 0 => widened_vocab(l.draft_vocab(), train_set.iter().map(|c| c.tokens()), cfg.widen_vocab.min(vocab))?,
         Some(l) => l.draft_vocab().to_vec(),
@@ -237,7 +241,7 @@ pub fn train_layer(
     let layer = TrainLayer::init(&varmap, lcfg.clone(), &ids, &target.model, cfg.seed)?;
     if let (Some(l), Some(dir)) = (&init, &cfg.init) {
         let mut from = l.weights()?.clone();
-        if ids.len() != l.draft_vocab().len() {
+        if ids != l.draft_vocab() {
             if let Some(old) = from.get("lm_head.weight") {
                 // EAGLE-3's own head: its trained rows where it had them, the target's rows for
                 // the added tokens (as a fresh layer starts).
