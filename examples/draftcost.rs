@@ -3,8 +3,8 @@
 //! weights default to native). Commit timings use a made-up accepted path of two nodes.
 //! `DRAFT_FORMAT=bf16` (or f32, q8_0, ...) drafts in another format than the default (`native`:
 //! 4-bit blocks for a draft layer, 8-bit for heads).
-//! `DRAFTCOST_COLD=1` runs a 4-row target forward (and its logits) before each propose and
-//! commit, as a decoding step does, so the drafter's weights meet the caches a step leaves.
+//! `DRAFTCOST_COLD=1` runs a 4-row target forward (and its logits) before each propose-and-commit
+//! pair, as a decoding step does, so the drafter's weights meet the caches a step leaves.
 use std::time::Instant;
 
 use selfspec::draft::drafter::Drafter;
@@ -33,7 +33,9 @@ fn main() -> anyhow::Result<()> {
         let (mut p, mut c) = (Vec::new(), Vec::new());
         let cold = std::env::var("DRAFTCOST_COLD").is_ok_and(|v| v == "1");
         let mut tcache = target.model.new_cache()?;
-        target.model.forward_causal(&prompt, &mut tcache)?;
+        if cold {
+            target.model.forward_causal(&prompt, &mut tcache)?;
+        }
         let base = tcache.len();
         for _ in 0..21 {
             if cold {

@@ -1059,18 +1059,23 @@ pub(crate) fn run_steps(
     Ok(StepsDone { step, tokens_seen, secs: t_train.elapsed().as_secs_f64() })
 }
 
-/// The `n` most frequent tokens of the corpus (ties: lower id), plus the end-of-sequence ids,
-/// in ascending id order.
-pub fn frequent_tokens<'a>(chunks: impl Iterator<Item = &'a [u32]>, n: usize, always: &[u32]) -> Vec<u32> {
+/// The corpus's tokens outside `skip`, most frequent first (ties: lower id).
+pub(crate) fn tokens_by_frequency<'a>(chunks: impl Iterator<Item = &'a [u32]>, skip: &std::collections::HashSet<u32>) -> Vec<u32> {
     let mut counts: HashMap<u32, usize> = HashMap::new();
     for c in chunks {
-        for &t in c {
+        for &t in c.iter().filter(|t| !skip.contains(t)) {
             *counts.entry(t).or_default() += 1;
         }
     }
     let mut by_freq: Vec<(u32, usize)> = counts.into_iter().collect();
     by_freq.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-    let mut ids: Vec<u32> = by_freq.into_iter().take(n.saturating_sub(always.len())).map(|x| x.0).collect();
+    by_freq.into_iter().map(|x| x.0).collect()
+}
+
+/// The `n` most frequent tokens of the corpus (ties: lower id), plus the end-of-sequence ids,
+/// in ascending id order.
+pub fn frequent_tokens<'a>(chunks: impl Iterator<Item = &'a [u32]>, n: usize, always: &[u32]) -> Vec<u32> {
+    let mut ids: Vec<u32> = tokens_by_frequency(chunks, &Default::default()).into_iter().take(n.saturating_sub(always.len())).collect();
     ids.extend(always.iter().copied());
     ids.sort_unstable();
     ids.dedup();

@@ -148,17 +148,8 @@ pub fn widened_vocab<'a>(old: &[u32], chunks: impl Iterator<Item = &'a [u32]>, n
     if n < old.len() {
         return Err(Error::InvalidArgument(format!("--widen-vocab {n}: the draft layer already has {} tokens", old.len())));
     }
-    let have: std::collections::HashSet<u32> = old.iter().copied().collect();
-    let mut counts: HashMap<u32, usize> = HashMap::new();
-    for c in chunks {
-        for &t in c.iter().filter(|t| !have.contains(t)) {
-            *counts.entry(t).or_default() += 1;
-        }
-    }
-    let mut by_freq: Vec<(u32, usize)> = counts.into_iter().collect();
-    by_freq.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
     let mut ids: Vec<u32> = old.to_vec();
-    ids.extend(by_freq.into_iter().take(n - old.len()).map(|x| x.0));
+    ids.extend(crate::train::heads::tokens_by_frequency(chunks, &old.iter().copied().collect()).into_iter().take(n - old.len()));
     ids.sort_unstable();
     Ok(ids)
 }
