@@ -694,12 +694,20 @@ impl TrainLayer {
 
     /// Draft-vocabulary logits of predicted features (of [`Self::forward_unrolled`]).
     pub fn logits(&self, f: &Tensor) -> Result<Tensor> {
+        let (x, w, _) = self.head(f)?;
+        Ok(x.matmul(&w.t()?)?)
+    }
+
+    /// The readout's input and weight for features `f`, and whether that weight trains: the
+    /// EAGLE layer reads `f` through the target's frozen lm_head rows, EAGLE-3's normed `f`
+    /// through its own head. `logits(f) = x · wᵀ`.
+    pub fn head(&self, f: &Tensor) -> Result<(Tensor, &Tensor, bool)> {
         match self.cfg.arch {
-            DraftArch::Eagle => Ok(f.matmul(&self.proj.t()?)?),
+            DraftArch::Eagle => Ok((f.clone(), &self.proj, false)),
             DraftArch::Eagle3 { .. } => {
                 let eps = self.cfg.layer.rms_norm_eps as f32;
                 let n = candle_nn::ops::rms_norm_slow(f, &self.w["model.norm.weight"], eps)?;
-                Ok(n.matmul(&self.w["lm_head.weight"].t()?)?)
+                Ok((n, &self.w["lm_head.weight"], true))
             }
         }
     }

@@ -14,6 +14,7 @@ use candle_nn::VarMap;
 use crate::draft::layer::{DraftLayer, DraftLayerConfig, TrainLayer};
 use crate::model::loader::Target;
 use crate::data::Document;
+use crate::train::loss::soft_cross_entropy;
 use crate::train::parallel::{split_groups, GroupRunner};
 use crate::train::{epoch_batches, frequent_tokens, prepare, resume_from, run_steps, AdamW, Example, HeadAccuracy, Prepared, Progress, StepsSetup, TrainConfig, TrainReport};
 use crate::{Error, Result};
@@ -72,16 +73,15 @@ fn chunk_loss(layer: &TrainLayer, target: &Target, ex: &Example, cfg: &TrainConf
         if kept == 0.0 {
             continue;
         }
-        let keep = Tensor::from_vec(keep, rows, h.device())?;
-        let logits = layer.logits(&pred)?;
-        let logq = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
-        let mut l = ((p.clone() * logq)?.sum(D::Minus1)?.neg()? * &keep)?.sum_all()?.affine(1.0 / kept as f64, 0.0)?;
+        let weights: Vec<f32> = keep.iter().map(|k| k / kept).collect();
+        let (x, w, train_w) = layer.head(&pred)?;
+        let (mut l, a) = soft_cross_entropy(&x, w, train_w, &p, &weights)?;
         if cfg.feature_weight > 0.0 {
+            let keep = Tensor::from_vec(keep, rows, h.device())?;
             let d = (pred - &truth)?.broadcast_mul(&keep.unsqueeze(1)?)?;
             l = (l + (smooth_l1(&d)? * (cfg.feature_weight * rows as f64 / kept as f64))?)?;
         }
         if s == 0 {
-            let a: Vec<u32> = logits.argmax(D::Minus1)?.to_vec1()?;
             let b: Vec<u32> = p.argmax(D::Minus1)?.to_vec1()?;
             let hits = (0..rows).filter(|&r| scored_at(ex, r + 2) && a[r] == b[r]).count();
             acc = (hits, kept as usize);

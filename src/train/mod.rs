@@ -1,10 +1,11 @@
 //! Training drafters with the target frozen: self-distillation ([`distill`]), the shared training
-//! loop and Medusa-style heads ([`heads`]), the EAGLE-style draft layer ([`layer`]), data-parallel
+//! loop and Medusa-style heads ([`heads`]), the EAGLE-style draft layer ([`layer`]) and its fused loss ([`loss`]), data-parallel
 //! gradients ([`parallel`]), and one run
 //! end to end with its recorded recipe ([`recipe`]).
 pub mod distill;
 pub mod heads;
 pub mod layer;
+pub mod loss;
 pub mod parallel;
 pub mod recipe;
 
