@@ -19,6 +19,7 @@ use crate::data::Document;
 use crate::draft::heads::{Heads, HeadsConfig};
 use crate::model::loader::Target;
 use crate::cpu::quant::WeightFormat;
+use crate::train::loss::soft_cross_entropy;
 use crate::{Error, Result};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -611,45 +612,48 @@ fn make_batch(
 
 /// The loss of one batch (or one group of it): per head the mean over `norm[k]` rows (the whole
 /// batch's valid rows, so that the groups' losses sum to the batch's), weighted `decay^k`.
+/// Soft labels go through the fused loss ([`crate::train::loss`]); hard ones through candle's ops.
 fn batch_loss(heads: &Heads, lm: &Tensor, b: &Batch, decay: f64, norm: &[f32]) -> Result<(Tensor, Vec<(usize, usize)>)> {
     // Soft targets and logits live in the draft vocabulary when there is one.
     let proj = heads.projection(0, lm);
-    let logits = heads.train_logits(&b.h, b.root.as_ref(), lm)?; // [K, B, V]
-    let (k_heads, rows, _) = logits.dims3()?;
-    let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
-    let dev = logits.device();
+    let hs = heads.hidden(&b.h, b.root.as_ref())?;
+    let rows = b.h.dim(0)?;
+    let dev = b.h.device();
     let mut total: Option<Tensor> = None;
-    let mut acc = Vec::with_capacity(k_heads);
-    let argmax: Vec<Vec<u32>> = logits.argmax(D::Minus1)?.to_vec2()?;
+    let mut acc = Vec::with_capacity(hs.len());
     // Soft targets: the target's own distribution at the row each head predicts.
     let soft_probs = match &b.soft_rows {
         Some((full, _)) => Some(candle_nn::ops::softmax(&full.matmul(&proj.t()?)?, D::Minus1)?),
         None => None,
     };
-    for k in 0..k_heads {
+    for (k, x) in hs.iter().enumerate() {
+        let w_k = heads.projection(k, lm);
         let mask: Vec<f32> = b.valid[k].iter().map(|&v| v as u8 as f32).collect();
         let n_valid = mask.iter().sum::<f32>();
-        let mask_t = Tensor::from_vec(mask, rows, dev)?;
-        let lp = logp.get(k)?;
-        let (per_row, truth): (Tensor, Vec<u32>) = match (&b.hard, &soft_probs, &b.soft_rows) {
+        let (l, argmax, truth): (Tensor, Vec<u32>, Vec<u32>) = match (&b.hard, &soft_probs, &b.soft_rows) {
             (Some(h), _, _) => {
+                let logits = x.matmul(&w_k.t()?)?;
+                let lp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
                 let labels: Vec<u32> = h[k].iter().map(|&x| if x == u32::MAX { 0 } else { x }).collect();
                 let lt = Tensor::from_vec(labels.clone(), (rows, 1), dev)?;
-                (lp.gather(&lt, 1)?.squeeze(1)?.neg()?, labels)
+                let mask_t = Tensor::from_vec(mask, rows, dev)?;
+                let per_row = lp.gather(&lt, 1)?.squeeze(1)?.neg()?;
+                let l = ((per_row * &mask_t)?.sum_all()? / norm[k].max(1.0) as f64)?;
+                (l, logits.argmax(D::Minus1)?.to_vec1()?, labels)
             }
             (None, Some(p), Some((_, idx))) => {
                 let ix: Vec<u32> = idx[k].iter().map(|&x| if x == usize::MAX { 0 } else { x as u32 }).collect();
                 let target = p.index_select(&Tensor::new(ix.as_slice(), dev)?, 0)?;
                 let truth: Vec<u32> = target.argmax(D::Minus1)?.to_vec1()?;
-                ((target * &lp)?.sum(D::Minus1)?.neg()?, truth)
+                let weights: Vec<f32> = mask.iter().map(|m| m / norm[k].max(1.0)).collect();
+                let (l, argmax) = soft_cross_entropy(x, w_k, heads.config().own_lm_head, &target, &weights)?;
+                (l, argmax, truth)
             }
             _ => unreachable!("a batch has hard or soft labels"),
         };
-        let l = ((per_row * &mask_t)?.sum_all()? / norm[k].max(1.0) as f64)?;
-        let hits = (0..rows).filter(|&r| b.valid[k][r] && argmax[k][r] == truth[r]).count();
+        let hits = (0..rows).filter(|&r| b.valid[k][r] && argmax[r] == truth[r]).count();
         acc.push((hits, n_valid as usize));
-        let w = decay.powi(k as i32);
-        let term = (l * w)?;
+        let term = (l * decay.powi(k as i32))?;
         total = Some(match total {
             None => term,
             Some(t) => (t + term)?,
