@@ -623,7 +623,7 @@ impl TrainLayer {
         let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
         let eps = c.rms_norm_eps as f32;
         let w = |n: &str| -> &Tensor { &self.w[n] };
-        let lin = |x: &Tensor, n: &str| -> Result<Tensor> { Ok(x.matmul(&w(n).t()?)?) };
+        let lin = |x: &Tensor, n: &str| -> Result<Tensor> { crate::draft::grad::linear(&x.contiguous()?, w(n)) };
         let l = "model.layers.0.";
         let group = nh / nkv;
         // [t, nkv, hd] -> [nh, t, hd]

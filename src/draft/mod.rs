@@ -8,6 +8,7 @@ pub mod datastore;
 pub mod drafter;
 pub mod eagle3;
 pub mod export;
+pub mod grad;
 pub mod heads;
 pub mod layer;
 pub mod lookup;
