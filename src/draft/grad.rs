@@ -17,7 +17,7 @@ pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     if !(cpu_f32(x) && cpu_f32(w)) || x.rank() != 2 || w.rank() != 2 {
         return Ok(x.matmul(&w.t()?)?);
     }
-    Ok(x.apply_op2_arc(w, std::sync::Arc::new(Box::new(Linear { w: w.detach() })))?)
+    Ok(x.contiguous()?.apply_op2_arc(w, std::sync::Arc::new(Box::new(Linear { w: w.detach() })))?)
 }
 
 struct Linear {
@@ -33,10 +33,8 @@ impl CustomOp2 for Linear {
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, _s2: &CpuStorage, _l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let x = match (s1, l1.contiguous_offsets()) {
             (CpuStorage::F32(v), Some((a, b))) => Tensor::from_slice(&v[a..b], l1.shape(), &Device::Cpu)?,
-            (CpuStorage::F32(_), None) => {
-                // A strided view (a narrowed or transposed input): candle copies it out.
-                return Err(candle_core::Error::Msg("linear needs a contiguous input".into()));
-            }
+            // `linear` hands over contiguous inputs only.
+            (CpuStorage::F32(_), None) => return Err(candle_core::Error::Msg("linear needs a contiguous input".into())),
             _ => return Err(candle_core::Error::Msg("linear needs f32 inputs".into())),
         };
         let y = x.matmul(&self.w.t()?)?;

@@ -532,8 +532,8 @@ impl DraftLayer {
 }
 
 /// The trainable copy: variables in a [`VarMap`], a forward made of differentiable candle ops
-/// only (the inference kernels have no backward pass), and the same arithmetic as
-/// [`DraftLayer::forward`] up to rounding.
+/// and [`crate::draft::grad::linear`] only (the inference kernels have no backward pass), and
+/// the same arithmetic as [`DraftLayer::forward`] up to rounding.
 pub struct TrainLayer {
     pub cfg: DraftLayerConfig,
     w: HashMap<String, Tensor>,
@@ -623,7 +623,7 @@ impl TrainLayer {
         let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
         let eps = c.rms_norm_eps as f32;
         let w = |n: &str| -> &Tensor { &self.w[n] };
-        let lin = |x: &Tensor, n: &str| -> Result<Tensor> { crate::draft::grad::linear(&x.contiguous()?, w(n)) };
+        let lin = |x: &Tensor, n: &str| -> Result<Tensor> { crate::draft::grad::linear(x, w(n)) };
         let l = "model.layers.0.";
         let group = nh / nkv;
         // [t, nkv, hd] -> [nh, t, hd]

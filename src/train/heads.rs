@@ -614,8 +614,10 @@ fn make_batch(
 /// batch's valid rows, so that the groups' losses sum to the batch's), weighted `decay^k`.
 /// Soft labels go through the fused loss ([`crate::train::loss`]); hard ones through candle's ops.
 fn batch_loss(heads: &Heads, lm: &Tensor, b: &Batch, decay: f64, norm: &[f32]) -> Result<(Tensor, Vec<(usize, usize)>)> {
-    // Soft targets and logits live in the draft vocabulary when there is one.
-    let proj = heads.projection(0, lm);
+    // Soft targets and logits live in the draft vocabulary when there is one. The targets come
+    // from the target's own rows, never from a head's own lm_head (which trains, and would move
+    // its own labels; own heads have the full vocabulary).
+    let proj = if heads.config().own_lm_head { lm } else { heads.projection(0, lm) };
     let hs = heads.hidden(&b.h, b.root.as_ref())?;
     let rows = b.h.dim(0)?;
     let dev = b.h.device();

@@ -1,5 +1,6 @@
-//! The draft layer's training loss, fused: `Σ_r weight_r · CE(p_r, softmax(x_r · Wᵀ))` with its
-//! backward pass in one candle op, and each row's argmax for the accuracy figures.
+//! The drafters' training loss against soft labels, fused: `Σ_r weight_r · CE(p_r, softmax(x_r ·
+//! Wᵀ))` with its backward pass in one candle op, and each row's argmax for the accuracy figures.
+//! The draft layers use it, and the heads for soft labels (hard labels keep candle's ops).
 //!
 //! Why fused: built from candle ops, every unrolled step made about six `[rows, vocabulary]`
 //! tensors on the gradient's path (logits, the log-softmax's shifted values, their exponentials,
@@ -8,8 +9,8 @@
 //! gradient of both sides, so the EAGLE layer's frozen lm_head rows got a `[vocabulary, hidden]`
 //! gradient no one reads, as dear as the forward product. `perf` on a draft-layer run (SmolLM2,
 //! 12,288-token draft vocabulary, `--unroll 3`, 2-core Zen 4): 58% of the samples in gemm, 17%
-//! in candle's element-wise maps, memsets and `expf`. Here the forward is one product and one
-//! pass per row, the backward one pass and one product per trained side.
+//! in candle's element-wise maps, memsets and `expf`. Here the forward is one product, a copy of
+//! its output and one pass per row; the backward one pass and one product per trained side.
 //!
 //! [`soft_cross_entropy_ops`] is the same loss from candle's own ops: the reference the tests
 //! compare against, and the path on devices other than the CPU.
@@ -22,9 +23,10 @@ use crate::{Error, Result};
 /// `Σ_r weights[r] · CE(p_r, softmax(x_r · Wᵀ))`, a scalar, and each row's argmax of `x · Wᵀ`.
 ///
 /// `x` is `[rows, hidden]`, `w` `[vocabulary, hidden]`, `p` `[rows, vocabulary]` (the labels'
-/// distributions; their sums need not be exactly 1, the loss is `-Σ_i p_i · log q_i` as
-/// written). The gradient reaches `x`, and `w` only when `train_w` (a frozen `w` gets none, not
-/// even a discarded one). On the CPU in f32 this runs fused; elsewhere from candle's ops.
+/// distributions, constants: no gradient reaches them; their sums need not be exactly 1, the
+/// loss is `-Σ_i p_i · log q_i` as written). The gradient reaches `x`, and `w` only when
+/// `train_w` (a frozen `w` gets none, not even a discarded one). On the CPU in f32 this runs
+/// fused; elsewhere from candle's ops (where `w` gets a gradient whenever it is a variable).
 pub fn soft_cross_entropy(x: &Tensor, w: &Tensor, train_w: bool, p: &Tensor, weights: &[f32]) -> Result<(Tensor, Vec<u32>)> {
     let (rows, hidden) = x.dims2()?;
     let (vocab, w_hidden) = w.dims2()?;
@@ -41,6 +43,7 @@ pub fn soft_cross_entropy(x: &Tensor, w: &Tensor, train_w: bool, p: &Tensor, wei
     if !(cpu_f32(x) && cpu_f32(w) && cpu_f32(p)) {
         return soft_cross_entropy_ops(x, w, p, weights);
     }
+    let x = x.contiguous()?;
     let op = FusedSoftCe {
         w: w.detach(),
         p: p.detach().contiguous()?,
@@ -60,7 +63,7 @@ pub fn soft_cross_entropy_ops(x: &Tensor, w: &Tensor, p: &Tensor, weights: &[f32
     let logits = x.matmul(&w.t()?)?;
     let logq = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
     let wt = Tensor::from_slice(weights, weights.len(), x.device())?;
-    let loss = ((p * logq)?.sum(D::Minus1)?.neg()? * wt)?.sum_all()?;
+    let loss = ((p.detach() * logq)?.sum(D::Minus1)?.neg()? * wt)?.sum_all()?;
     let argmax = logits.argmax(D::Minus1)?.to_vec1()?;
     Ok((loss, argmax))
 }
@@ -107,7 +110,7 @@ impl CustomOp2 for FusedSoftCe {
         };
         let (rows, _) = x.dims2()?;
         let vocab = self.w.dim(0)?;
-        // One product, then per row: max, the log of the sum of exponentials, Σ p, Σ p·z.
+        // One product, then per row: max, the log of the sum of exponentials, Σ p, Σ p·(z − max).
         let z = x.matmul(&self.w.t()?)?;
         let mut softmax = z.flatten_all()?.to_vec1::<f32>()?;
         drop(z);
@@ -247,14 +250,18 @@ mod tests {
     #[test]
     fn fused_loss_and_gradients_match_candles_ops() {
         let (rows, hidden, vocab) = (7, 24, 50);
-        let x = Var::from_tensor(&random((rows, hidden), 1, 2.0)).unwrap();
+        let x = Var::from_tensor(&random((rows + 1, hidden), 1, 2.0)).unwrap();
+        let xs = x.as_tensor().narrow(0, 1, rows).unwrap();
         let w = Var::from_tensor(&random((vocab, hidden), 2, 1.0)).unwrap();
-        let p = candle_nn::ops::softmax_last_dim(&random((rows, vocab), 3, 6.0)).unwrap();
+        // Labels whose rows sum to 0.7, read at an offset (as every unrolled step after the
+        // first reads them), and an x at an offset too.
+        let p_all = (candle_nn::ops::softmax_last_dim(&random((rows + 2, vocab), 3, 6.0)).unwrap() * 0.7).unwrap();
+        let p = p_all.narrow(0, 2, rows).unwrap();
         let weights = [0.5, 0.0, 1.0, 0.25, 1.0, 0.125, 2.0];
-        let (want, want_arg) = soft_cross_entropy_ops(x.as_tensor(), w.as_tensor(), &p, &weights).unwrap();
+        let (want, want_arg) = soft_cross_entropy_ops(&xs, w.as_tensor(), &p, &weights).unwrap();
         let want_g = (&want * 3.0).unwrap().backward().unwrap();
         for train_w in [true, false] {
-            let (got, got_arg) = soft_cross_entropy(x.as_tensor(), w.as_tensor(), train_w, &p, &weights).unwrap();
+            let (got, got_arg) = soft_cross_entropy(&xs, w.as_tensor(), train_w, &p, &weights).unwrap();
             assert!(got.track_op(), "the fused loss is on the graph");
             let (a, b) = (got.to_scalar::<f32>().unwrap(), want.to_scalar::<f32>().unwrap());
             assert!((a - b).abs() <= 1e-4 * b.abs(), "loss {a} against {b}");
@@ -267,6 +274,20 @@ mod tests {
                 (false, None) => {}
                 (t, g) => panic!("train_w {t}: w's gradient present = {}", g.is_some()),
             }
+        }
+    }
+
+    /// The AVX-512 / AVX2 row passes give the portable code's bits.
+    #[test]
+    fn row_passes_give_the_same_bits_on_every_path() {
+        let (z0, p) = (random((1, 75), 5, 8.0), random((1, 75), 6, 1.0));
+        let (z0, p): (Vec<f32>, Vec<f32>) = (z0.flatten_all().unwrap().to_vec1().unwrap(), p.flatten_all().unwrap().to_vec1().unwrap());
+        for pass in [Pass::Forward, Pass::Backward] {
+            let (mut a, mut b) = (z0.clone(), z0.clone());
+            let ra = wide_rows(pass, &mut a, &p, 0.3, 0.9);
+            let rb = row_pass(pass, &mut b, &p, 0.3, 0.9);
+            assert_eq!((ra.0, ra.1.to_bits(), ra.2.to_bits()), (rb.0, rb.1.to_bits(), rb.2.to_bits()));
+            assert_eq!(a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), b.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
         }
     }
 
