@@ -20,6 +20,15 @@ pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     Ok(x.contiguous()?.apply_op2_arc(w, std::sync::Arc::new(Box::new(Linear { w: w.detach() })))?)
 }
 
+/// A custom op's input as a tensor of its own (a copy): the ops here hand over contiguous f32
+/// inputs only, and anything else is refused, naming `op`.
+pub(crate) fn input_tensor(s: &CpuStorage, l: &Layout, op: &str) -> candle_core::Result<Tensor> {
+    match (s, l.contiguous_offsets()) {
+        (CpuStorage::F32(v), Some((a, b))) => Tensor::from_slice(&v[a..b], l.shape(), &Device::Cpu),
+        _ => Err(candle_core::Error::Msg(format!("{op} needs a contiguous f32 input"))),
+    }
+}
+
 struct Linear {
     /// `w`, detached: the forward reads its values without a copy, the graph keeps the original.
     w: Tensor,
@@ -31,12 +40,7 @@ impl CustomOp2 for Linear {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, _s2: &CpuStorage, _l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let x = match (s1, l1.contiguous_offsets()) {
-            (CpuStorage::F32(v), Some((a, b))) => Tensor::from_slice(&v[a..b], l1.shape(), &Device::Cpu)?,
-            // `linear` hands over contiguous inputs only.
-            (CpuStorage::F32(_), None) => return Err(candle_core::Error::Msg("linear needs a contiguous input".into())),
-            _ => return Err(candle_core::Error::Msg("linear needs f32 inputs".into())),
-        };
+        let x = input_tensor(s1, l1, "linear")?;
         let y = x.matmul(&self.w.t()?)?;
         let shape = y.shape().clone();
         Ok((CpuStorage::F32(y.flatten_all()?.to_vec1()?), shape))

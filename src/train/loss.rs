@@ -104,10 +104,7 @@ impl CustomOp2 for FusedSoftCe {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, _s2: &CpuStorage, _l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let x = match (s1, l1.contiguous_offsets()) {
-            (CpuStorage::F32(v), Some((a, b))) => Tensor::from_slice(&v[a..b], l1.shape(), &Device::Cpu)?,
-            _ => return Err(op_err("soft cross-entropy needs a contiguous f32 x")),
-        };
+        let x = crate::draft::grad::input_tensor(s1, l1, "soft cross-entropy")?;
         let (rows, _) = x.dims2()?;
         let vocab = self.w.dim(0)?;
         // One product, then per row: max, the log of the sum of exponentials, Σ p, Σ p·(z − max).
