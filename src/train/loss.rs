@@ -30,9 +30,9 @@ use crate::{Error, Result};
 pub fn soft_cross_entropy(x: &Tensor, w: &Tensor, train_w: bool, p: &Tensor, weights: &[f32]) -> Result<(Tensor, Vec<u32>)> {
     let (rows, hidden) = x.dims2()?;
     let (vocab, w_hidden) = w.dims2()?;
-    if w_hidden != hidden || p.dims2()? != (rows, vocab) || weights.len() != rows {
+    if vocab == 0 || w_hidden != hidden || p.dims2()? != (rows, vocab) || weights.len() != rows {
         return Err(Error::InvalidArgument(format!(
-            "soft cross-entropy: x {:?}, w {:?}, p {:?} and {} weights do not fit",
+            "soft cross-entropy: x {:?}, w {:?}, p {:?} and {} weights do not fit (or an empty vocabulary)",
             x.dims(),
             w.dims(),
             p.dims(),
@@ -296,5 +296,7 @@ mod tests {
         assert!(soft_cross_entropy(&x, &w, false, &p, &[1.0; 3]).is_err());
         let p = random((3, 5), 3, 1.0);
         assert!(soft_cross_entropy(&x, &w, false, &p, &[1.0; 2]).is_err());
+        let (w0, p0) = (Tensor::zeros((0, 4), candle_core::DType::F32, &Device::Cpu).unwrap(), Tensor::zeros((3, 0), candle_core::DType::F32, &Device::Cpu).unwrap());
+        assert!(soft_cross_entropy(&x, &w0, false, &p0, &[1.0; 3]).is_err(), "an empty vocabulary");
     }
 }
