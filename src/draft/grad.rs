@@ -13,11 +13,16 @@ use crate::Result;
 /// op (its backward: `g · w` where `x` needs it, `gᵀ · x` where `w` does); elsewhere candle's
 /// matmul.
 pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    let cpu_f32 = |t: &Tensor| matches!(t.device(), Device::Cpu) && t.dtype() == candle_core::DType::F32;
     if !(cpu_f32(x) && cpu_f32(w)) || x.rank() != 2 || w.rank() != 2 {
         return Ok(x.matmul(&w.t()?)?);
     }
     Ok(x.contiguous()?.apply_op2_arc(w, std::sync::Arc::new(Box::new(Linear { w: w.detach() })))?)
+}
+
+/// Whether the custom ops here can take `t`: an f32 tensor on the CPU (elsewhere candle's own
+/// ops run).
+pub(crate) fn cpu_f32(t: &Tensor) -> bool {
+    matches!(t.device(), Device::Cpu) && t.dtype() == candle_core::DType::F32
 }
 
 /// A custom op's input as a tensor of its own (a copy): the ops here hand over contiguous f32

@@ -39,7 +39,7 @@ pub fn soft_cross_entropy(x: &Tensor, w: &Tensor, train_w: bool, p: &Tensor, wei
             weights.len()
         )));
     }
-    let cpu_f32 = |t: &Tensor| matches!(t.device(), Device::Cpu) && t.dtype() == candle_core::DType::F32;
+    use crate::draft::grad::cpu_f32;
     if !(cpu_f32(x) && cpu_f32(w) && cpu_f32(p)) {
         return soft_cross_entropy_ops(x, w, p, weights);
     }
