@@ -26,12 +26,9 @@ pub(crate) fn cpu_f32(t: &Tensor) -> bool {
 }
 
 /// A custom op's input as a tensor of its own (a copy): the ops here hand over contiguous f32
-/// inputs only, and anything else is refused, naming `op`.
+/// inputs only ([`crate::cpu::storage::contiguous`] refuses anything else, naming `op`).
 pub(crate) fn input_tensor(s: &CpuStorage, l: &Layout, op: &str) -> candle_core::Result<Tensor> {
-    match (s, l.contiguous_offsets()) {
-        (CpuStorage::F32(v), Some((a, b))) => Tensor::from_slice(&v[a..b], l.shape(), &Device::Cpu),
-        _ => Err(candle_core::Error::Msg(format!("{op} needs a contiguous f32 input"))),
-    }
+    Tensor::from_slice(crate::cpu::storage::contiguous(s, l, op)?, l.shape(), &Device::Cpu)
 }
 
 struct Linear {

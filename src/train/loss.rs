@@ -92,9 +92,9 @@ fn op_err(m: impl Into<String>) -> candle_core::Error {
 /// The f32 values of a contiguous CPU tensor, borrowed.
 fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_core::Result<R> {
     let (storage, layout) = t.storage_and_layout();
-    match (&*storage, layout.contiguous_offsets()) {
-        (candle_core::Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) => Ok(f(&v[a..b])),
-        _ => Err(op_err("soft cross-entropy needs contiguous f32 CPU tensors")),
+    match &*storage {
+        candle_core::Storage::Cpu(s) => Ok(f(crate::cpu::storage::contiguous(s, layout, "soft cross-entropy")?)),
+        _ => Err(op_err("soft cross-entropy needs CPU tensors")),
     }
 }
 
