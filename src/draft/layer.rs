@@ -21,6 +21,7 @@ use serde::{Deserialize, Serialize};
 use crate::cpu::TreeMask;
 use crate::model::kv_cache::KvCache;
 use crate::model::loader::{Fingerprint, Target};
+use crate::draft::grad::Readout;
 use crate::model::{Config, Linear, Llama};
 use crate::cpu::quant::WeightFormat;
 use crate::{Error, Result};
@@ -539,6 +540,8 @@ pub struct TrainLayer {
     w: HashMap<String, Tensor>,
     /// Draft-vocabulary slice of the target's lm_head (frozen).
     pub proj: Tensor,
+    /// `proj` transposed, contiguous: what the forward products read (see [`Readout::Frozen`]).
+    proj_t: Tensor,
     cos: Tensor,
     sin: Tensor,
 }
@@ -588,8 +591,9 @@ impl TrainLayer {
             }
         }
         let proj = target.lm_head_rows(ids)?.to_device(&device)?.contiguous()?;
+        let proj_t = Readout::transposed(&proj)?;
         let (cos, sin) = crate::model::rope_tables(&cfg.layer, &device)?;
-        Ok(TrainLayer { cfg, w, proj, cos, sin })
+        Ok(TrainLayer { cfg, w, proj, proj_t, cos, sin })
     }
 
     /// Predicted features `[T, d]` for one sequence of pairs (`feats[t]`, `embs[t]`) at positions
@@ -694,20 +698,20 @@ impl TrainLayer {
 
     /// Draft-vocabulary logits of predicted features (of [`Self::forward_unrolled`]).
     pub fn logits(&self, f: &Tensor) -> Result<Tensor> {
-        let (x, w, _) = self.head(f)?;
-        Ok(x.matmul(&w.t()?)?)
+        let (x, readout) = self.head(f)?;
+        Ok(x.matmul(&readout.w().t()?)?)
     }
 
-    /// The readout's input and weight for features `f`, and whether that weight trains: the
-    /// EAGLE layer reads `f` through the target's frozen lm_head rows, EAGLE-3's normed `f`
-    /// through its own head. `logits(f) = x · wᵀ`.
-    pub fn head(&self, f: &Tensor) -> Result<(Tensor, &Tensor, bool)> {
+    /// The readout's input and weight for features `f`: the EAGLE layer reads `f` through the
+    /// target's frozen lm_head rows, EAGLE-3's normed `f` through its own head, which trains.
+    /// `logits(f) = x · wᵀ`.
+    pub fn head(&self, f: &Tensor) -> Result<(Tensor, Readout<'_>)> {
         match self.cfg.arch {
-            DraftArch::Eagle => Ok((f.clone(), &self.proj, false)),
+            DraftArch::Eagle => Ok((f.clone(), Readout::Frozen { w: &self.proj, wt: Some(&self.proj_t) })),
             DraftArch::Eagle3 { .. } => {
                 let eps = self.cfg.layer.rms_norm_eps as f32;
                 let n = candle_nn::ops::rms_norm_slow(f, &self.w["model.norm.weight"], eps)?;
-                Ok((n, &self.w["lm_head.weight"], true))
+                Ok((n, Readout::Trained(&self.w["lm_head.weight"])))
             }
         }
     }
@@ -716,7 +720,7 @@ impl TrainLayer {
     /// states first): the labels' distribution.
     pub fn target_logits(&self, h: &Tensor) -> Result<Tensor> {
         let d = self.cfg.layer.hidden_size;
-        Ok(h.narrow(1, 0, d)?.matmul(&self.proj.t()?)?)
+        Ok(h.narrow(1, 0, d)?.contiguous()?.matmul(&self.proj_t)?)
     }
 
     /// The current weights, detached, for [`DraftLayer::from_tensors`].

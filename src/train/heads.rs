@@ -19,7 +19,7 @@ use crate::data::Document;
 use crate::draft::heads::{Heads, HeadsConfig};
 use crate::model::loader::Target;
 use crate::cpu::quant::WeightFormat;
-use crate::train::loss::soft_cross_entropy;
+use crate::train::loss::{soft_cross_entropy, Readout};
 use crate::{Error, Result};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -648,7 +648,7 @@ fn batch_loss(heads: &Heads, lm: &Tensor, b: &Batch, decay: f64, norm: &[f32]) -
                 let target = p.index_select(&Tensor::new(ix.as_slice(), dev)?, 0)?;
                 let truth: Vec<u32> = target.argmax(D::Minus1)?.to_vec1()?;
                 let weights: Vec<f32> = mask.iter().map(|m| m / norm[k].max(1.0)).collect();
-                let (l, argmax) = soft_cross_entropy(x, w_k, heads.config().own_lm_head, &target, &weights)?;
+                let (l, argmax) = soft_cross_entropy(x, if heads.config().own_lm_head { Readout::Trained(w_k) } else { Readout::Frozen { w: w_k, wt: None } }, &target, &weights)?;
                 (l, argmax, truth)
             }
             _ => unreachable!("a batch has hard or soft labels"),

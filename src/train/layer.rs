@@ -74,8 +74,8 @@ fn chunk_loss(layer: &TrainLayer, target: &Target, ex: &Example, cfg: &TrainConf
             continue;
         }
         let weights: Vec<f32> = keep.iter().map(|k| k / kept).collect();
-        let (x, w, train_w) = layer.head(&pred)?;
-        let (mut l, a) = soft_cross_entropy(&x, w, train_w, &p, &weights)?;
+        let (x, readout) = layer.head(&pred)?;
+        let (mut l, a) = soft_cross_entropy(&x, readout, &p, &weights)?;
         if cfg.feature_weight > 0.0 {
             let keep = Tensor::from_vec(keep, rows, h.device())?;
             let d = (pred - &truth)?.broadcast_mul(&keep.unsqueeze(1)?)?;

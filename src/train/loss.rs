@@ -9,8 +9,9 @@
 //! gradient of both sides, so the EAGLE layer's frozen lm_head rows got a `[vocabulary, hidden]`
 //! gradient no one reads, as dear as the forward product. `perf` on a draft-layer run (SmolLM2,
 //! 12,288-token draft vocabulary, `--unroll 3`, 2-core Zen 4): 58% of the samples in gemm, 17%
-//! in candle's element-wise maps, memsets and `expf`. Here the forward is one product, a copy of
-//! its output and one pass per row; the backward one pass and one product per trained side.
+//! in candle's element-wise maps, memsets and `expf`. Here the forward is one product (inputs
+//! read in place, rows then worked on in its own buffer) and one pass per row; the backward one
+//! pass and one product per trained side.
 //!
 //! [`soft_cross_entropy_ops`] is the same loss from candle's own ops: the reference the tests
 //! compare against, and the path on devices other than the CPU.
@@ -18,16 +19,18 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp2, Device, Layout, Shape, Tensor, D};
 
+pub use crate::draft::grad::Readout;
 use crate::{Error, Result};
 
 /// `Σ_r weights[r] · CE(p_r, softmax(x_r · Wᵀ))`, a scalar, and each row's argmax of `x · Wᵀ`.
 ///
 /// `x` is `[rows, hidden]`, `w` `[vocabulary, hidden]`, `p` `[rows, vocabulary]` (the labels'
 /// distributions, constants: no gradient reaches them; their sums need not be exactly 1, the
-/// loss is `-Σ_i p_i · log q_i` as written). The gradient reaches `x`, and `w` only when
-/// `train_w` (a frozen `w` gets none, not even a discarded one). On the CPU in f32 this runs
-/// fused; elsewhere from candle's ops (where `w` gets a gradient whenever it is a variable).
-pub fn soft_cross_entropy(x: &Tensor, w: &Tensor, train_w: bool, p: &Tensor, weights: &[f32]) -> Result<(Tensor, Vec<u32>)> {
+/// loss is `-Σ_i p_i · log q_i` as written). The gradient reaches `x`, and `w` only when it is
+/// [`Readout::Trained`]. On the CPU in f32 this runs fused; elsewhere from candle's ops (where
+/// `w` gets a gradient whenever it is a variable).
+pub fn soft_cross_entropy(x: &Tensor, readout: Readout, p: &Tensor, weights: &[f32]) -> Result<(Tensor, Vec<u32>)> {
+    let w = readout.w();
     let (rows, hidden) = x.dims2()?;
     let (vocab, w_hidden) = w.dims2()?;
     if vocab == 0 || w_hidden != hidden || p.dims2()? != (rows, vocab) || weights.len() != rows {
@@ -44,11 +47,21 @@ pub fn soft_cross_entropy(x: &Tensor, w: &Tensor, train_w: bool, p: &Tensor, wei
         return soft_cross_entropy_ops(x, w, p, weights);
     }
     let x = x.contiguous()?;
+    let wt = match readout {
+        Readout::Frozen { wt: Some(wt), .. } => {
+            if wt.dims2()? != (hidden, vocab) || !cpu_f32(wt) || !wt.is_contiguous() {
+                return Err(Error::InvalidArgument(format!("soft cross-entropy: wt {:?} is not w {:?} transposed and contiguous", wt.dims(), w.dims())));
+            }
+            Some(wt.detach())
+        }
+        _ => None,
+    };
     let op = FusedSoftCe {
         w: w.detach(),
+        wt,
         p: p.detach().contiguous()?,
         weights: weights.to_vec(),
-        train_w,
+        train_w: matches!(readout, Readout::Trained(_)),
         saved: Arc::new(Mutex::new(None)),
     };
     let saved = op.saved.clone();
@@ -79,6 +92,8 @@ struct Saved {
 struct FusedSoftCe {
     /// `w`, detached: the forward reads its values, the graph keeps the original.
     w: Tensor,
+    /// A frozen `w`'s contiguous transpose, which the forward product reads where given.
+    wt: Option<Tensor>,
     p: Tensor,
     weights: Vec<f32>,
     train_w: bool,
@@ -103,14 +118,21 @@ impl CustomOp2 for FusedSoftCe {
         "fused-soft-cross-entropy"
     }
 
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, _s2: &CpuStorage, _l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let x = crate::draft::grad::input_tensor(s1, l1, "soft cross-entropy")?;
-        let (rows, _) = x.dims2()?;
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (rows, _) = l1.shape().dims2()?;
         let vocab = self.w.dim(0)?;
         // One product, then per row: max, the log of the sum of exponentials, Σ p, Σ p·(z − max).
-        let z = x.matmul(&self.w.t()?)?;
-        let mut softmax = z.flatten_all()?.to_vec1::<f32>()?;
-        drop(z);
+        let z = match &self.wt {
+            Some(wt) => {
+                let (storage, layout) = wt.storage_and_layout();
+                match &*storage {
+                    candle_core::Storage::Cpu(st) => crate::draft::grad::product_xw(s1, l1, st, layout, "soft cross-entropy")?.0,
+                    _ => return Err(op_err("soft cross-entropy needs CPU tensors")),
+                }
+            }
+            None => crate::draft::grad::product_xwt(s1, l1, s2, l2, "soft cross-entropy")?.0,
+        };
+        let CpuStorage::F32(mut softmax) = z else { return Err(op_err("soft cross-entropy: the product is not f32")) };
         let mut mass = vec![0f32; rows];
         let mut argmax = vec![0u32; rows];
         let mut loss = 0f64;
@@ -257,8 +279,9 @@ mod tests {
         let weights = [0.5, 0.0, 1.0, 0.25, 1.0, 0.125, 2.0];
         let (want, want_arg) = soft_cross_entropy_ops(&xs, w.as_tensor(), &p, &weights).unwrap();
         let want_g = (&want * 3.0).unwrap().backward().unwrap();
-        for train_w in [true, false] {
-            let (got, got_arg) = soft_cross_entropy(&xs, w.as_tensor(), train_w, &p, &weights).unwrap();
+        let wt = Readout::transposed(w.as_tensor()).unwrap();
+        for (train_w, readout) in [(true, Readout::Trained(w.as_tensor())), (false, Readout::Frozen { w: w.as_tensor(), wt: None }), (false, Readout::Frozen { w: w.as_tensor(), wt: Some(&wt) })] {
+            let (got, got_arg) = soft_cross_entropy(&xs, readout, &p, &weights).unwrap();
             assert!(got.track_op(), "the fused loss is on the graph");
             let (a, b) = (got.to_scalar::<f32>().unwrap(), want.to_scalar::<f32>().unwrap());
             assert!((a - b).abs() <= 1e-4 * b.abs(), "loss {a} against {b}");
@@ -293,10 +316,12 @@ mod tests {
         let x = random((3, 4), 1, 1.0);
         let w = random((5, 4), 2, 1.0);
         let p = random((3, 6), 3, 1.0);
-        assert!(soft_cross_entropy(&x, &w, false, &p, &[1.0; 3]).is_err());
+        let frozen = Readout::Frozen { w: &w, wt: None };
+        assert!(soft_cross_entropy(&x, frozen, &p, &[1.0; 3]).is_err());
         let p = random((3, 5), 3, 1.0);
-        assert!(soft_cross_entropy(&x, &w, false, &p, &[1.0; 2]).is_err());
+        assert!(soft_cross_entropy(&x, frozen, &p, &[1.0; 2]).is_err());
+        assert!(soft_cross_entropy(&x, Readout::Frozen { w: &w, wt: Some(&w) }, &p, &[1.0; 3]).is_err(), "a wt that is not w's transpose");
         let (w0, p0) = (Tensor::zeros((0, 4), candle_core::DType::F32, &Device::Cpu).unwrap(), Tensor::zeros((3, 0), candle_core::DType::F32, &Device::Cpu).unwrap());
-        assert!(soft_cross_entropy(&x, &w0, false, &p0, &[1.0; 3]).is_err(), "an empty vocabulary");
+        assert!(soft_cross_entropy(&x, Readout::Frozen { w: &w0, wt: None }, &p0, &[1.0; 3]).is_err(), "an empty vocabulary");
     }
 }
