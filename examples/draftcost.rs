@@ -17,9 +17,11 @@ fn main() -> anyhow::Result<()> {
         anyhow::bail!("usage: draftcost MODEL DRAFTER_DIR [weights]");
     }
     let w: selfspec::cpu::quant::WeightFormat = args.get(3).map(|s| s.parse()).transpose()?.unwrap_or(selfspec::cpu::quant::WeightFormat::Native);
-    let target = Target::load_with(args[1].as_ref(), &candle_core::Device::Cpu, w)?;
+    let mut target = Target::load_with(args[1].as_ref(), &candle_core::Device::Cpu, w)?;
     let format = std::env::var("DRAFT_FORMAT").map(|f| f.parse()).unwrap_or(Ok(selfspec::draft::drafter::DRAFTING_FORMAT))?;
     let drafter = Drafter::from_dir_as(args[2].as_ref(), &target, format)?;
+    // An EAGLE-3 layer reads tapped target layers: the target must return them.
+    drafter.attach(&mut target)?;
     let prompt = target.encode_prompt("Explain how a refrigerator keeps food cold, step by step, in detail.", true)?;
     let mut cache = target.model.new_cache()?;
     let hidden = target.model.forward_causal(&prompt, &mut cache)?;
