@@ -15,9 +15,9 @@ const FILE_ORDER: &[(&str, &[&str])] = &[
     ("model", &["kv_cache", "tokenizer", "gguf", "llama", "loader", "timing", "fixtures"]),
     ("data", &["manifest"]),
     ("decode", &["sampling", "generate"]),
-    ("draft", &["tree", "budget", "choice", "datastore", "lookup", "heads", "layer", "eagle3", "drafter", "export"]),
+    ("draft", &["tree", "budget", "choice", "datastore", "lookup", "grad", "heads", "layer", "eagle3", "drafter", "export"]),
     ("spec", &["verify", "plan", "session", "driver"]),
-    ("train", &["heads", "layer", "distill", "recipe"]),
+    ("train", &["loss", "parallel", "heads", "layer", "distill", "recipe"]),
     ("eval", &["run", "report", "tune", "roofline", "bench"]),
     ("serve", &["api", "engine", "http"]),
 ];

@@ -1,20 +1,23 @@
-//! A linear map for the training forwards whose backward pass computes only what is read.
+//! The training forwards' own ops: a linear map whose backward pass computes only what is read,
+//! the products the custom ops compute in place, and the readout weight of the fused loss.
 //!
-//! Why: `x.matmul(&w.t())` puts a transpose node between the product and the weight, so
-//! candle's backward gives each use of a weight two zeroed `[out, in]` buffers and two adds, one
-//! of them strided (the transposed gradient), and it computes the input's gradient even where the
-//! input is data (the target's states, which train nothing). A draft layer uses each weight
-//! once per unrolled step; under `perf` those adds were the largest cost after gemm.
+//! Why a linear op: `x.matmul(&w.t())` puts a transpose node between the product and the
+//! weight, so candle's backward gives each use of a weight two zeroed `[out, in]` buffers and two
+//! adds, one of them strided (the transposed gradient), and it computes the input's gradient even
+//! where the input is data (the target's states, which train nothing). A draft layer uses each
+//! weight once per unrolled step; under `perf` those adds were the largest cost after gemm.
+//! [`Readout`] lives here, not beside the loss in `train`, because the draft layer's training
+//! copy hands it out and `draft` may not import from `train`.
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Device, Layout, Shape, Tensor};
 
 use crate::Result;
 
-/// `x · wᵀ` for `x [rows, in]` and `w [out, in]`, differentiable in both. On the CPU in f32 one
-/// op (its backward: `g · w` where `x` needs it, `gᵀ · x` where `w` does); elsewhere candle's
-/// matmul.
+/// `x · wᵀ` for `x [rows, in]` and `w [out, in]`, differentiable in both. On the CPU in f32 with
+/// a contiguous `w` one op (its backward: `g · w` where `x` needs it, `gᵀ · x` where `w` does);
+/// otherwise candle's matmul.
 pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    if !(cpu_f32(x) && cpu_f32(w)) || x.rank() != 2 || w.rank() != 2 {
+    if !(cpu_f32(x) && cpu_f32(w)) || x.rank() != 2 || w.rank() != 2 || !w.is_contiguous() {
         return Ok(x.matmul(&w.t()?)?);
     }
     Ok(x.contiguous()?.apply_op2_arc(w, std::sync::Arc::new(Box::new(Linear { w: w.detach() })))?)
@@ -28,9 +31,9 @@ pub(crate) fn cpu_f32(t: &Tensor) -> bool {
 
 /// `x · wᵀ` for `x [rows, in]` and `w [out, in]` read in place from the ops' storages: the
 /// product `x.matmul(&w.t())` computes (the same gemm call, so the same bits), without copying
-/// either input into a tensor of its own or the result out of one. Why: at 256 rows those copies
-/// cost about as much as the packing inside gemm for the layer's smaller maps, and each fresh
-/// buffer met the kernel's page clearing (`clear_page_erms`, 2% of a training run's samples).
+/// the input into a tensor of its own or the result out of one. Why: a 256 × 8,192 product
+/// copied out was 8 MB a call, and each fresh buffer met the kernel's page clearing
+/// (`clear_page_erms`, 2% of a training run's samples). Both must be contiguous f32.
 pub(crate) fn product_xwt(x: &CpuStorage, xl: &Layout, w: &CpuStorage, wl: &Layout, op: &str) -> candle_core::Result<(CpuStorage, Shape)> {
     let ((rows, k), (out, k2)) = (xl.shape().dims2()?, wl.shape().dims2()?);
     if k != k2 {
@@ -61,9 +64,12 @@ pub enum Readout<'a> {
     Trained(&'a Tensor),
     /// A constant (the target's lm_head rows): no gradient, not even a discarded one. `wt`,
     /// where given, is `w`'s transpose made contiguous once ([`Readout::transposed`]); the
-    /// forward product reads it instead of `w`, with the same bits. Why: gemm packs a row-major
-    /// `w` element by element; a `[hidden, vocabulary]` copy it packs with vector moves
-    /// (256 rows × 576 × 8,192, one thread, Zen 4: 27.1 against 25.4 ms).
+    /// forward product reads it instead of `w`. Why: gemm packs a row-major `w` element by
+    /// element, a `[hidden, vocabulary]` copy with vector moves (256 rows × 576 × 8,192, one
+    /// thread, Zen 4: 25.4 ms through `wt` against 27.1 through `w`). The bits are the same on
+    /// gemm's blocked path, which training always takes (two rows or more, rows × vocabulary
+    /// above 256); one row, or a tiny product, takes other gemm kernels that may round
+    /// differently. The copy costs `w`'s size again (19 MB for 8,192 × 576 rows).
     Frozen { w: &'a Tensor, wt: Option<&'a Tensor> },
 }
 
@@ -82,7 +88,7 @@ impl<'a> Readout<'a> {
 }
 
 struct Linear {
-    /// `w`, detached: the forward reads its values without a copy, the graph keeps the original.
+    /// `w`, detached, for the backward's `g · w` (the forward reads the op's own storages).
     w: Tensor,
 }
 

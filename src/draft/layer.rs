@@ -539,8 +539,9 @@ pub struct TrainLayer {
     pub cfg: DraftLayerConfig,
     w: HashMap<String, Tensor>,
     /// Draft-vocabulary slice of the target's lm_head (frozen).
-    pub proj: Tensor,
-    /// `proj` transposed, contiguous: what the forward products read (see [`Readout::Frozen`]).
+    proj: Tensor,
+    /// `proj` transposed, contiguous: what the fused loss's forward and [`Self::target_logits`]
+    /// read (see [`Readout::Frozen`]).
     proj_t: Tensor,
     cos: Tensor,
     sin: Tensor,
@@ -720,7 +721,7 @@ impl TrainLayer {
     /// states first): the labels' distribution.
     pub fn target_logits(&self, h: &Tensor) -> Result<Tensor> {
         let d = self.cfg.layer.hidden_size;
-        Ok(h.narrow(1, 0, d)?.contiguous()?.matmul(&self.proj_t)?)
+        Ok(h.narrow(1, 0, d)?.matmul(&self.proj_t)?)
     }
 
     /// The current weights, detached, for [`DraftLayer::from_tensors`].

@@ -49,8 +49,12 @@ pub fn soft_cross_entropy(x: &Tensor, readout: Readout, p: &Tensor, weights: &[f
     let x = x.contiguous()?;
     let wt = match readout {
         Readout::Frozen { wt: Some(wt), .. } => {
-            if wt.dims2()? != (hidden, vocab) || !cpu_f32(wt) || !wt.is_contiguous() {
-                return Err(Error::InvalidArgument(format!("soft cross-entropy: wt {:?} is not w {:?} transposed and contiguous", wt.dims(), w.dims())));
+            if wt.dims() != [hidden, vocab] || !cpu_f32(wt) || !wt.is_contiguous() {
+                return Err(Error::InvalidArgument(format!(
+                    "soft cross-entropy: wt {:?} does not have the shape of w {:?} transposed, or is not contiguous f32 on the CPU",
+                    wt.dims(),
+                    w.dims()
+                )));
             }
             Some(wt.detach())
         }
@@ -90,7 +94,8 @@ struct Saved {
 }
 
 struct FusedSoftCe {
-    /// `w`, detached: the forward reads its values, the graph keeps the original.
+    /// `w`, detached, for the backward's products and the vocabulary size (the forward reads
+    /// the op's own storages, or `wt`).
     w: Tensor,
     /// A frozen `w`'s contiguous transpose, which the forward product reads where given.
     wt: Option<Tensor>,
@@ -280,6 +285,10 @@ mod tests {
         let (want, want_arg) = soft_cross_entropy_ops(&xs, w.as_tensor(), &p, &weights).unwrap();
         let want_g = (&want * 3.0).unwrap().backward().unwrap();
         let wt = Readout::transposed(w.as_tensor()).unwrap();
+        // The transposed copy gives the same bits as reading w.
+        let via_w = soft_cross_entropy(&xs, Readout::Frozen { w: w.as_tensor(), wt: None }, &p, &weights).unwrap().0;
+        let via_wt = soft_cross_entropy(&xs, Readout::Frozen { w: w.as_tensor(), wt: Some(&wt) }, &p, &weights).unwrap().0;
+        assert_eq!(via_w.to_scalar::<f32>().unwrap().to_bits(), via_wt.to_scalar::<f32>().unwrap().to_bits());
         for (train_w, readout) in [(true, Readout::Trained(w.as_tensor())), (false, Readout::Frozen { w: w.as_tensor(), wt: None }), (false, Readout::Frozen { w: w.as_tensor(), wt: Some(&wt) })] {
             let (got, got_arg) = soft_cross_entropy(&xs, readout, &p, &weights).unwrap();
             assert!(got.track_op(), "the fused loss is on the graph");
@@ -320,7 +329,9 @@ mod tests {
         assert!(soft_cross_entropy(&x, frozen, &p, &[1.0; 3]).is_err());
         let p = random((3, 5), 3, 1.0);
         assert!(soft_cross_entropy(&x, frozen, &p, &[1.0; 2]).is_err());
-        assert!(soft_cross_entropy(&x, Readout::Frozen { w: &w, wt: Some(&w) }, &p, &[1.0; 3]).is_err(), "a wt that is not w's transpose");
+        assert!(soft_cross_entropy(&x, Readout::Frozen { w: &w, wt: Some(&w) }, &p, &[1.0; 3]).is_err(), "a wt of the wrong shape");
+        let wt = w.t().unwrap();
+        assert!(soft_cross_entropy(&x, Readout::Frozen { w: &w, wt: Some(&wt) }, &p, &[1.0; 3]).is_err(), "a wt that is not contiguous");
         let (w0, p0) = (Tensor::zeros((0, 4), candle_core::DType::F32, &Device::Cpu).unwrap(), Tensor::zeros((3, 0), candle_core::DType::F32, &Device::Cpu).unwrap());
         assert!(soft_cross_entropy(&x, Readout::Frozen { w: &w0, wt: None }, &p0, &[1.0; 3]).is_err(), "an empty vocabulary");
     }
