@@ -99,7 +99,8 @@ impl SamplingArgs {
 #[command(next_help_heading = "Drafter")]
 pub struct DrafterArgs {
     /// A drafter directory: Medusa-style heads (heads.json + heads.safetensors, or the Medusa
-    /// format) or an EAGLE-style draft layer (draft.json + draft.safetensors), as `train` writes.
+    /// format) or a draft layer (draft.json + draft.safetensors, as `train` writes, or an EAGLE-3
+    /// checkpoint in the SpecForge/vLLM layout: config.json + model.safetensors).
     #[arg(long, alias = "heads", value_name = "DIR")]
     pub drafter: Option<PathBuf>,
     /// Weight format the drafter runs in: native (4-bit blocks for a draft layer, 8-bit for
@@ -120,7 +121,7 @@ impl DrafterArgs {
     pub fn dir(&self, subcommand: &str) -> Result<&Path> {
         match &self.drafter {
             Some(d) => Ok(d),
-            None => bail!("{subcommand} needs --drafter DIR (a directory that `selfspec train` wrote, e.g. training/drafters/smollm2-layer)"),
+            None => bail!("{subcommand} needs --drafter DIR (a directory that `selfspec train` wrote, e.g. training/drafters/smollm2-eagle3)"),
         }
     }
 
