@@ -610,25 +610,14 @@ fn make_batch(
     Ok(Batch { h, root, hard: if loss == LossKind::Hard { Some(hard) } else { None }, soft_rows, valid })
 }
 
-/// The rows the soft labels are read through: the draft vocabulary's rows of the target's
-/// lm_head when there is one, else all of it; never a head's own lm_head (which trains, and
-/// would move its own labels; own heads have the full vocabulary). Frozen heads read their
-/// logits through the same rows.
-fn labels_projection<'a>(heads: &'a Heads, lm: &'a Tensor) -> &'a Tensor {
-    if heads.config().own_lm_head {
-        lm
-    } else {
-        heads.projection(0, lm)
-    }
-}
-
 /// The loss of one batch (or one group of it): per head the mean over `norm[k]` rows (the whole
 /// batch's valid rows, so that the groups' losses sum to the batch's), weighted `decay^k`.
 /// Soft labels go through the fused loss ([`crate::train::loss`]); hard ones through candle's ops.
-/// `proj_t` is [`labels_projection`]'s transpose, made contiguous once per run
-/// ([`Readout::transposed`]): the products read it instead of a transposed view (gemm packs
-/// that element by element).
-fn batch_loss(heads: &Heads, lm: &Tensor, proj_t: &Tensor, b: &Batch, decay: f64, norm: &[f32]) -> Result<(Tensor, Vec<(usize, usize)>)> {
+fn batch_loss(heads: &Heads, lm: &Tensor, b: &Batch, decay: f64, norm: &[f32]) -> Result<(Tensor, Vec<(usize, usize)>)> {
+    // Soft targets and logits live in the draft vocabulary when there is one. The targets come
+    // from the target's own rows, never from a head's own lm_head (which trains, and would move
+    // its own labels; own heads have the full vocabulary).
+    let proj = if heads.config().own_lm_head { lm } else { heads.projection(0, lm) };
     let hs = heads.hidden(&b.h, b.root.as_ref())?;
     let rows = b.h.dim(0)?;
     let dev = b.h.device();
@@ -636,7 +625,7 @@ fn batch_loss(heads: &Heads, lm: &Tensor, proj_t: &Tensor, b: &Batch, decay: f64
     let mut acc = Vec::with_capacity(hs.len());
     // Soft targets: the target's own distribution at the row each head predicts.
     let soft_probs = match &b.soft_rows {
-        Some((full, _)) => Some(candle_nn::ops::softmax(&full.matmul(proj_t)?, D::Minus1)?),
+        Some((full, _)) => Some(candle_nn::ops::softmax(&full.matmul(&proj.t()?)?, D::Minus1)?),
         None => None,
     };
     for (k, x) in hs.iter().enumerate() {
@@ -659,7 +648,7 @@ fn batch_loss(heads: &Heads, lm: &Tensor, proj_t: &Tensor, b: &Batch, decay: f64
                 let target = p.index_select(&Tensor::new(ix.as_slice(), dev)?, 0)?;
                 let truth: Vec<u32> = target.argmax(D::Minus1)?.to_vec1()?;
                 let weights: Vec<f32> = mask.iter().map(|m| m / norm[k].max(1.0)).collect();
-                let (l, argmax) = soft_cross_entropy(x, if heads.config().own_lm_head { Readout::Trained(w_k) } else { Readout::Frozen { w: w_k, wt: Some(proj_t) } }, &target, &weights)?;
+                let (l, argmax) = soft_cross_entropy(x, if heads.config().own_lm_head { Readout::Trained(w_k) } else { Readout::Frozen { w: w_k, wt: None } }, &target, &weights)?;
                 (l, argmax, truth)
             }
             _ => unreachable!("a batch has hard or soft labels"),
@@ -955,7 +944,6 @@ pub fn train(
     let mut losses = if resume { resume_from(out, cfg, &data, &mut opt, &device, total_steps, log)? } else { Vec::new() };
 
     let embed = |t: &[u32]| target.model.embed(t);
-    let proj_t = Readout::transposed(labels_projection(&heads, &lm))?;
     let runner = crate::train::parallel::GroupRunner::new()?;
     let vars: Vec<Tensor> = varmap.all_vars().iter().map(|v| v.as_tensor().clone()).collect();
     let done = run_steps(
@@ -969,7 +957,7 @@ pub fn train(
             let batches =
                 groups.iter().map(|g| make_batch(&train_set, g, k_heads, cfg.loss, &slot, if cfg.token_aware { Some(&embed) } else { None })).collect::<Result<Vec<_>>>()?;
             let norm: Vec<f32> = (0..k_heads).map(|k| batches.iter().map(|b| b.valid[k].iter().filter(|&&v| v).count()).sum::<usize>() as f32).collect();
-            runner.grads(batches, &vars, &|b| batch_loss(&heads, &lm, &proj_t, &b, cfg.decay, &norm))
+            runner.grads(batches, &vars, &|b| batch_loss(&heads, &lm, &b, cfg.decay, &norm))
         },
         &mut || if val_set.is_empty() { Ok(None) } else { validate(&heads, target, &val_set).map(Some) },
     )?;
