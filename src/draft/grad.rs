@@ -35,25 +35,25 @@ pub(crate) fn cpu_f32(t: &Tensor) -> bool {
 /// copied out was 8 MB a call, and each fresh buffer met the kernel's page clearing
 /// (`clear_page_erms`, 2% of a training run's samples). Both must be contiguous f32.
 pub(crate) fn product_xwt(x: &CpuStorage, xl: &Layout, w: &CpuStorage, wl: &Layout, op: &str) -> candle_core::Result<(CpuStorage, Shape)> {
-    let ((rows, k), (out, k2)) = (xl.shape().dims2()?, wl.shape().dims2()?);
-    if k != k2 {
-        candle_core::bail!("{op}: x {:?} and w {:?} do not fit", xl.dims(), wl.dims())
-    }
-    // The checks the tensor path would make: f32, and a layout gemm can read.
-    crate::cpu::storage::contiguous(x, xl, op)?;
     crate::cpu::storage::contiguous(w, wl, op)?;
-    Ok((x.matmul(w, (1, rows, out, k), xl, &wl.transpose(0, 1)?)?, Shape::from((rows, out))))
+    product(x, xl, w, &wl.transpose(0, 1)?, op)
 }
 
 /// `x · w` for `x [rows, k]` and a contiguous `w [k, out]`, read in place like [`product_xwt`].
 pub(crate) fn product_xw(x: &CpuStorage, xl: &Layout, w: &CpuStorage, wl: &Layout, op: &str) -> candle_core::Result<(CpuStorage, Shape)> {
-    let ((rows, k), (k2, out)) = (xl.shape().dims2()?, wl.shape().dims2()?);
-    if k != k2 {
-        candle_core::bail!("{op}: x {:?} and w {:?} do not fit", xl.dims(), wl.dims())
-    }
-    crate::cpu::storage::contiguous(x, xl, op)?;
     crate::cpu::storage::contiguous(w, wl, op)?;
-    Ok((x.matmul(w, (1, rows, out, k), xl, wl)?, Shape::from((rows, out))))
+    product(x, xl, w, wl, op)
+}
+
+/// `x [rows, k] · w`, `w` seen through `wkn` as `[k, out]` (its storage checked by the caller).
+fn product(x: &CpuStorage, xl: &Layout, w: &CpuStorage, wkn: &Layout, op: &str) -> candle_core::Result<(CpuStorage, Shape)> {
+    let ((rows, k), (k2, out)) = (xl.shape().dims2()?, wkn.shape().dims2()?);
+    if k != k2 {
+        candle_core::bail!("{op}: x {:?} and w (as [k, out]) {:?} do not fit", xl.dims(), wkn.dims())
+    }
+    // The check the tensor path would make: f32, and a layout gemm can read.
+    crate::cpu::storage::contiguous(x, xl, op)?;
+    Ok((x.matmul(w, (1, rows, out, k), xl, wkn)?, Shape::from((rows, out))))
 }
 
 /// The readout weight `w [vocabulary, hidden]` of the fused training loss
