@@ -109,13 +109,18 @@ fn op_err(m: impl Into<String>) -> candle_core::Error {
     candle_core::Error::Msg(m.into())
 }
 
-/// The f32 values of a contiguous CPU tensor, borrowed.
-fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_core::Result<R> {
+/// A CPU tensor's storage and layout, borrowed.
+fn with_cpu<R>(t: &Tensor, f: impl FnOnce(&CpuStorage, &Layout) -> candle_core::Result<R>) -> candle_core::Result<R> {
     let (storage, layout) = t.storage_and_layout();
     match &*storage {
-        candle_core::Storage::Cpu(s) => Ok(f(crate::cpu::storage::contiguous(s, layout, "soft cross-entropy")?)),
+        candle_core::Storage::Cpu(s) => f(s, layout),
         _ => Err(op_err("soft cross-entropy needs CPU tensors")),
     }
+}
+
+/// The f32 values of a contiguous CPU tensor, borrowed.
+fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_core::Result<R> {
+    with_cpu(t, |s, layout| Ok(f(crate::cpu::storage::contiguous(s, layout, "soft cross-entropy")?)))
 }
 
 impl CustomOp2 for FusedSoftCe {
@@ -128,13 +133,7 @@ impl CustomOp2 for FusedSoftCe {
         let vocab = self.w.dim(0)?;
         // One product, then per row: max, the log of the sum of exponentials, Σ p, Σ p·(z − max).
         let z = match &self.wt {
-            Some(wt) => {
-                let (storage, layout) = wt.storage_and_layout();
-                match &*storage {
-                    candle_core::Storage::Cpu(st) => crate::draft::grad::product_xw(s1, l1, st, layout, "soft cross-entropy")?.0,
-                    _ => return Err(op_err("soft cross-entropy needs CPU tensors")),
-                }
-            }
+            Some(wt) => with_cpu(wt, |st, layout| crate::draft::grad::product_xw(s1, l1, st, layout, "soft cross-entropy"))?.0,
             None => crate::draft::grad::product_xwt(s1, l1, s2, l2, "soft cross-entropy")?.0,
         };
         let CpuStorage::F32(mut softmax) = z else { return Err(op_err("soft cross-entropy: the product is not f32")) };
