@@ -1,5 +1,7 @@
 //! The small per-row operations of a forward as candle custom ops, batch-invariant like the
 //! matmuls: RMSNorm, RoPE, SwiGLU, the row matmul op, and KV-cache stores and compaction.
+use std::mem::MaybeUninit;
+
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape};
 
 use crate::cpu::isa::{isa, Isa};
@@ -70,9 +72,8 @@ fn glu_fwd<const GELU: bool>(s: &CpuStorage, l: &Layout, what: &str) -> candle_c
         candle_core::bail!("{what}: width {w} is not [gate | up]")
     }
     let n = w / 2;
-    let mut out = vec![0f32; t * n];
     let simd = isa();
-    let row = |(x, o): (&[f32], &mut [f32])| {
+    let row = |(x, o): (&[f32], &mut [MaybeUninit<f32>])| {
         let (g, u) = x.split_at(n);
         #[cfg(target_arch = "x86_64")]
         if simd == Isa::Avx512 {
@@ -87,12 +88,14 @@ fn glu_fwd<const GELU: bool>(s: &CpuStorage, l: &Layout, what: &str) -> candle_c
         let _ = simd;
         glu_row::<GELU>(g, u, o);
     };
-    if t * w >= crate::cpu::team::PAR_MIN_VALUES {
-        let mut rows: Vec<(&[f32], &mut [f32])> = x.chunks(w).zip(out.chunks_mut(n)).collect();
-        crate::cpu::team::for_each_mut(&mut rows, |_, (x, o)| row((x, o)));
-    } else {
-        x.chunks(w).zip(out.chunks_mut(n)).for_each(row);
-    }
+    let out = filled(t * n, |out| {
+        if t * w >= crate::cpu::team::PAR_MIN_VALUES {
+            let mut rows: Vec<(&[f32], &mut [MaybeUninit<f32>])> = x.chunks(w).zip(out.chunks_mut(n)).collect();
+            crate::cpu::team::for_each_mut(&mut rows, |_, (x, o)| row((x, o)));
+        } else {
+            x.chunks(w).zip(out.chunks_mut(n)).for_each(row);
+        }
+    });
     Ok((CpuStorage::F32(out), Shape::from((t, n))))
 }
 
@@ -102,6 +105,25 @@ fn glu_fwd<const GELU: bool>(s: &CpuStorage, l: &Layout, what: &str) -> candle_c
 /// team waits (3% of an 8-row native forward); here eight rows' chains run side by side.
 pub struct RmsNormRows {
     pub eps: f32,
+}
+
+/// A fresh `len`-value buffer that `fill` writes in full, without zeroing it first. Why: the
+/// norms' and SwiGLU's outputs were zero-filled allocations (mimalloc clears a reused block),
+/// about 3 MB of memset per 8-row native forward of SmolLM2, 2% of its samples in `perf`.
+/// `fill` must write every value: each caller's row kernels store their whole rows.
+fn filled(len: usize, fill: impl FnOnce(&mut [MaybeUninit<f32>])) -> Vec<f32> {
+    let mut out = Vec::with_capacity(len);
+    fill(&mut out.spare_capacity_mut()[..len]);
+    // SAFETY: `fill` wrote every one of the `len` values (see above).
+    unsafe { out.set_len(len) };
+    out
+}
+
+/// `&mut [f32]` as `&mut [MaybeUninit<f32>]`, for tests that hand the kernels ordinary buffers.
+#[cfg(test)]
+fn as_uninit(s: &mut [f32]) -> &mut [MaybeUninit<f32>] {
+    // SAFETY: same layout; the kernels only ever write initialised f32 values through it.
+    unsafe { &mut *(s as *mut [f32] as *mut [MaybeUninit<f32>]) }
 }
 
 /// Rows summed side by side in [`RmsNormRows`].
@@ -139,12 +161,12 @@ macro_rules! wide {
     }};
 }
 
-fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [MaybeUninit<f32>]) {
     wide!(rms_norm_rows_body(x, w, eps, out) as norm512, norm256)
 }
 
 #[inline(always)]
-fn rms_norm_rows_body(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+fn rms_norm_rows_body(x: &[f32], w: &[f32], eps: f32, out: &mut [MaybeUninit<f32>]) {
     let n = w.len();
     let rows = x.len() / n;
     // Each row's own chain in candle's order: ((0 + x0^2) + x1^2) + ...
@@ -158,7 +180,7 @@ fn rms_norm_rows_body(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     for (i, s) in sums.iter().enumerate().take(rows) {
         let m = (s / n as f32 + eps).sqrt();
         for ((o, &v), &a) in out[i * n..(i + 1) * n].iter_mut().zip(&x[i * n..(i + 1) * n]).zip(w) {
-            *o = v / m * a;
+            o.write(v / m * a);
         }
     }
 }
@@ -174,14 +196,15 @@ impl candle_core::CustomOp2 for RmsNormRows {
         if n == 0 || l1.dims().last() != Some(&n) {
             candle_core::bail!("rms-norm: input {:?} against a weight of {n}", l1.dims())
         }
-        let mut out = vec![0f32; x.len()];
         let group = NORM_ROWS * n;
-        if x.len() >= crate::cpu::team::PAR_MIN_VALUES {
-            let mut parts: Vec<(&[f32], &mut [f32])> = x.chunks(group).zip(out.chunks_mut(group)).collect();
-            crate::cpu::team::for_each_mut(&mut parts, |_, (x, o)| rms_norm_rows(x, w, self.eps, o));
-        } else {
-            x.chunks(group).zip(out.chunks_mut(group)).for_each(|(x, o)| rms_norm_rows(x, w, self.eps, o));
-        }
+        let out = filled(x.len(), |out| {
+            if x.len() >= crate::cpu::team::PAR_MIN_VALUES {
+                let mut parts: Vec<(&[f32], &mut [MaybeUninit<f32>])> = x.chunks(group).zip(out.chunks_mut(group)).collect();
+                crate::cpu::team::for_each_mut(&mut parts, |_, (x, o)| rms_norm_rows(x, w, self.eps, o));
+            } else {
+                x.chunks(group).zip(out.chunks_mut(group)).for_each(|(x, o)| rms_norm_rows(x, w, self.eps, o));
+            }
+        });
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 }
@@ -378,15 +401,15 @@ fn glu_exponent<const GELU: bool>(g: f32) -> f32 {
 }
 
 #[inline(always)]
-fn glu_row<const GELU: bool>(g: &[f32], u: &[f32], o: &mut [f32]) {
+fn glu_row<const GELU: bool>(g: &[f32], u: &[f32], o: &mut [MaybeUninit<f32>]) {
     for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-        *o = g / (1.0 + exp_clamped(glu_exponent::<GELU>(g))) * u;
+        o.write(g / (1.0 + exp_clamped(glu_exponent::<GELU>(g))) * u);
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn glu512<const GELU: bool>(g: &[f32], u: &[f32], o: &mut [f32]) {
+unsafe fn glu512<const GELU: bool>(g: &[f32], u: &[f32], o: &mut [MaybeUninit<f32>]) {
     use std::arch::x86_64::*;
     let n = g.len();
     let mut i = 0;
@@ -404,7 +427,7 @@ unsafe fn glu512<const GELU: bool>(g: &[f32], u: &[f32], o: &mut [f32]) {
         let x = _mm512_min_ps(_mm512_max_ps(arg, _mm512_set1_ps(EXP_MIN)), _mm512_set1_ps(EXP_MAX));
         let e = crate::cpu::exp::avx512::exp16_in_range(x);
         let y = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), uv);
-        _mm512_mask_storeu_ps(o.as_mut_ptr().add(i), m, y);
+        _mm512_mask_storeu_ps(o.as_mut_ptr().add(i) as *mut f32, m, y);
         i += LANES;
     }
 }
@@ -412,7 +435,7 @@ unsafe fn glu512<const GELU: bool>(g: &[f32], u: &[f32], o: &mut [f32]) {
 /// [`glu512`] in 8 lanes: the same operations per value.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn glu256<const GELU: bool>(g: &[f32], u: &[f32], o: &mut [f32]) {
+unsafe fn glu256<const GELU: bool>(g: &[f32], u: &[f32], o: &mut [MaybeUninit<f32>]) {
     use std::arch::x86_64::*;
     let n = g.len();
     let body = n / 8 * 8;
@@ -429,7 +452,7 @@ unsafe fn glu256<const GELU: bool>(g: &[f32], u: &[f32], o: &mut [f32]) {
         };
         let x = _mm256_min_ps(_mm256_max_ps(arg, _mm256_set1_ps(EXP_MIN)), _mm256_set1_ps(EXP_MAX));
         let e = crate::cpu::exp::avx2::exp8_in_range(x);
-        _mm256_storeu_ps(o.as_mut_ptr().add(i), _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), uv));
+        _mm256_storeu_ps(o.as_mut_ptr().add(i) as *mut f32, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), uv));
         i += 8;
     }
     // The tail through the scalar code, compiled here with FMA (the same rounding).
@@ -524,7 +547,7 @@ mod tests {
         let mut port = vec![0f32; t * n];
         for i in 0..t {
             let row = &x[i * 2 * n..(i + 1) * 2 * n];
-            glu_row::<GELU>(&row[..n], &row[n..], &mut port[i * n..(i + 1) * n]);
+            glu_row::<GELU>(&row[..n], &row[n..], as_uninit(&mut port[i * n..(i + 1) * n]));
         }
         assert_eq!(port, got, "portable bits (GELU: {GELU})");
         #[cfg(target_arch = "x86_64")]
@@ -532,7 +555,7 @@ mod tests {
             let mut avx2 = vec![0f32; t * n];
             for i in 0..t {
                 let row = &x[i * 2 * n..(i + 1) * 2 * n];
-                unsafe { glu256::<GELU>(&row[..n], &row[n..], &mut avx2[i * n..(i + 1) * n]) };
+                unsafe { glu256::<GELU>(&row[..n], &row[n..], as_uninit(&mut avx2[i * n..(i + 1) * n])) };
             }
             assert_eq!(avx2, got, "AVX2 bits (GELU: {GELU})");
         }
