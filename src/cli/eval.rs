@@ -92,12 +92,13 @@ fn print_eval(r: &EvalReport) {
     for (name, s) in r.trees.iter().zip(&r.overall) {
         let t = &s.step_ms;
         println!(
-            "{name}: per step, ms: draft {:.2}, tree forward {:.2}, verify {:.2}, commit {:.2} ({:.1}% outside the forward)",
+            "{name}: per step, ms: draft {:.2}, tree forward {:.2}, verify {:.2}, commit {:.2} ({:.1}% outside the forward){}",
             t.draft,
             t.forward,
             t.verify,
             t.commit,
-            100.0 * t.outside_forward()
+            100.0 * t.outside_forward(),
+            if s.explored_steps > 0 { format!("; {} of {} steps verified a larger tree to price it", s.explored_steps, s.target_forwards) } else { String::new() }
         );
     }
     println!("per category ({}):", r.trees[0]);

@@ -182,6 +182,9 @@ pub struct LiveCosts {
     /// The same sums over the start-up curve's points, never forgotten.
     prior: [f64; 5],
     max_tokens: usize,
+    /// The start-up curve, and what it predicted for the observed steps (weighted as `seen`).
+    start: CostCurve,
+    predicted: f64,
 }
 
 /// Weight kept per step by older observations (about 30 steps' memory).
@@ -197,7 +200,7 @@ impl LiveCosts {
         for t in 1..=n {
             add(&mut prior, PRIOR_WEIGHT / n as f64, t as f64, start.at(t));
         }
-        LiveCosts { seen: [0.0; 5], prior, max_tokens: start.max_tokens() }
+        LiveCosts { seen: [0.0; 5], prior, max_tokens: start.max_tokens(), start: start.clone(), predicted: 0.0 }
     }
 
     /// A verification forward over `tokens` rows took `ms` (logits included).
@@ -208,7 +211,17 @@ impl LiveCosts {
         for v in self.seen.iter_mut() {
             *v *= FORGET;
         }
+        self.predicted = self.predicted * FORGET + self.start.at(tokens);
         add(&mut self.seen, 1.0, tokens as f64, ms);
+    }
+
+    /// Whether the run's forwards have been clearly cheaper than the start-up curve predicted
+    /// for their sizes (by more than [`EXPLORE_BELOW`], over at least [`EXPLORE_AFTER`] steps'
+    /// weight). Then that curve was timed in a slow moment, and it also overprices the sizes the
+    /// run never tries: a sequence then probes a larger tree now and then
+    /// ([`EXPLORE_EVERY`]), so the fit meets those sizes' real cost.
+    pub fn start_overpriced(&self) -> bool {
+        self.seen[0] >= EXPLORE_AFTER && self.seen[3] < EXPLORE_BELOW * self.predicted
     }
 
     /// The fitted line as a cost curve (cost(1) above zero, costs never falling).
@@ -221,6 +234,23 @@ impl LiveCosts {
         CostCurve::from_points(&[(1, base), (last, base + slope * (last - 1) as f64)], last).expect("a positive cost at T = 1")
     }
 }
+
+/// [`LiveCosts::start_overpriced`]: observed cost below this share of the start-up curve's.
+pub const EXPLORE_BELOW: f64 = 0.9;
+/// [`LiveCosts::start_overpriced`]: after this much observed weight (about as many steps).
+pub const EXPLORE_AFTER: f64 = 4.0;
+/// While the start-up curve is overpriced, one step in this many grows and verifies
+/// [`EXPLORE_EXTRA`] nodes past what the fitted line affords.
+///
+/// Why: the cost curve `auto` starts from is cached per build, so one timed while the host was
+/// busy sized every later run's trees. `scripts/headline` on the 2-core Zen 4 (at `fa41106`) met such a
+/// curve (8 tokens at 7.4 ms against 5.3 in `bench` a minute later): `auto` grew at most 5
+/// nodes and verified 3.1 on average, native τ 2.03 and 1.40× plain, where the same build had
+/// kept 4.2–4.6 nodes at τ 2.2–2.3. The per-step refit alone could not recover, because a line
+/// fitted to trees of 3–5 nodes keeps the start-up slope for the larger ones it never tries.
+pub const EXPLORE_EVERY: usize = 8;
+/// See [`EXPLORE_EVERY`].
+pub const EXPLORE_EXTRA: usize = 2;
 
 fn add(sums: &mut [f64; 5], w: f64, t: f64, ms: f64) {
     sums[0] += w;
@@ -324,7 +354,12 @@ impl Calibration {
     /// Keep the part of `draft` worth verifying on a device with `costs` (see [`choose_nodes`]);
     /// `fixed_ms` is the step's cost besides the forward (drafting).
     pub fn cut(&self, draft: Draft, costs: &CostCurve, fixed_ms: f64) -> Result<Draft> {
-        let keep = choose_nodes(&draft.tree, &self.estimates(&draft), costs, fixed_ms);
+        self.cut_at_least(draft, costs, fixed_ms, 1)
+    }
+
+    /// [`Calibration::cut`] keeping at least `min_nodes` nodes where the draft has them.
+    pub fn cut_at_least(&self, draft: Draft, costs: &CostCurve, fixed_ms: f64, min_nodes: usize) -> Result<Draft> {
+        let keep = choose_at_least(&draft.tree, &self.estimates(&draft), costs, fixed_ms, min_nodes);
         draft.restrict(&keep)
     }
 
@@ -363,6 +398,12 @@ impl Calibration {
 /// `(1 + sum of their estimates) / (cost(k + 1) + fixed_ms)`; `fixed_ms` is what the step costs
 /// anyway (drafting). Returns kept node indices in tree order (parents first), root included.
 pub fn choose_nodes(tree: &Tree, estimates: &[f64], costs: &CostCurve, fixed_ms: f64) -> Vec<usize> {
+    choose_at_least(tree, estimates, costs, fixed_ms, 1)
+}
+
+/// [`choose_nodes`], keeping at least `min_nodes` nodes (root included) where the tree has
+/// them: the likeliest, prefix-closed as ever (an exploring step, see [`EXPLORE_EVERY`]).
+pub fn choose_at_least(tree: &Tree, estimates: &[f64], costs: &CostCurve, fixed_ms: f64, min_nodes: usize) -> Vec<usize> {
     assert_eq!(estimates.len(), tree.len(), "one estimate per node");
     // A child can never look likelier than its parent, which keeps every prefix of the ranking
     // prefix-closed (ties go to the earlier node, and parents come first).
@@ -383,7 +424,8 @@ pub fn choose_nodes(tree: &Tree, estimates: &[f64], costs: &CostCurve, fixed_ms:
             best = (v, k + 1);
         }
     }
-    let mut kept: Vec<usize> = std::iter::once(0).chain(order[..best.1].iter().copied()).collect();
+    let k = best.1.max(min_nodes.saturating_sub(1).min(order.len()));
+    let mut kept: Vec<usize> = std::iter::once(0).chain(order[..k].iter().copied()).collect();
     kept.sort_unstable();
     kept
 }
@@ -555,6 +597,60 @@ mod tests {
         }
         let f = falling.curve();
         assert!(f.at(8) >= f.at(1) && f.at(1) > 0.0, "{f:?}");
+    }
+
+    /// A start-up curve timed in a slow moment is found out by steps that verify 3-5 nodes, and
+    /// probes at larger sizes pull the fitted slope toward the real one. A right curve, or a run
+    /// slower than it, never asks for probes. (Both curves as measured on the 2-core Zen 4: the
+    /// cached one a headline met, and `bench --context 128` a few minutes later.)
+    #[test]
+    fn an_overpriced_start_up_curve_is_found_out_and_probes_correct_its_slope() {
+        let slow = CostCurve::from_points(&[(1, 3.59), (2, 3.75), (3, 4.07), (4, 4.47), (6, 5.85), (8, 7.39), (12, 10.31), (16, 12.79)], 16).unwrap();
+        let real = CostCurve::from_points(&[(1, 3.31), (2, 3.41), (3, 3.45), (4, 3.59), (6, 4.48), (8, 5.32), (12, 7.46), (16, 9.6)], 16).unwrap();
+        let mut live = LiveCosts::new(&slow);
+        assert!(!live.start_overpriced(), "nothing observed yet");
+        for step in 0..3 {
+            live.observe(3 + step % 3, real.at(3 + step % 3));
+        }
+        assert!(!live.start_overpriced(), "too few steps to judge");
+        for step in 3..24 {
+            live.observe(3 + step % 3, real.at(3 + step % 3));
+        }
+        assert!(live.start_overpriced());
+        let blind = live.curve();
+        // One probe in EXPLORE_EVERY steps, EXPLORE_EXTRA nodes past what the fit affords.
+        for step in 24..200 {
+            let t = if step % EXPLORE_EVERY == EXPLORE_EVERY - 1 { (live.curve().affordable(AFFORDABLE_COST) + EXPLORE_EXTRA).min(AUTO_NODES) } else { 3 + step % 3 };
+            live.observe(t, real.at(t));
+        }
+        let probed = live.curve();
+        let (before, after) = (blind.affordable(AFFORDABLE_COST), probed.affordable(AFFORDABLE_COST));
+        assert!(after > before, "{after} nodes affordable after probing, {before} before");
+        assert!((probed.at(8) - real.at(8)).abs() < (blind.at(8) - real.at(8)).abs(), "8 tokens: {} after, {} before, {} real", probed.at(8), blind.at(8), real.at(8));
+        // The curve was right, or the run is slower than it said: no probes.
+        for (ms, why) in [(1.0, "right"), (1.3, "slower")] {
+            let mut l = LiveCosts::new(&slow);
+            for step in 0..50 {
+                l.observe(3 + step % 3, slow.at(3 + step % 3) * ms);
+            }
+            assert!(!l.start_overpriced(), "{why}");
+        }
+    }
+
+    #[test]
+    fn choose_at_least_keeps_the_likeliest_prefix_closed_nodes() {
+        let tree = Tree::from_paths(&[vec![0], vec![0, 0], vec![1], vec![0, 0, 0]]).unwrap();
+        let est: Vec<f64> = tree.nodes().iter().map(|n| match n.path.as_slice() { [] => 1.0, [0] => 0.5, [0, 0] => 0.3, [1] => 0.2, _ => 0.1 }).collect();
+        let steep = curve(&[10.0, 30.0, 50.0, 70.0, 90.0]);
+        assert_eq!(choose_nodes(&tree, &est, &steep, 0.0), vec![0], "the cut alone keeps the root");
+        assert_eq!(choose_at_least(&tree, &est, &steep, 0.0, 1), vec![0]);
+        let three = choose_at_least(&tree, &est, &steep, 0.0, 3);
+        let paths: Vec<&[usize]> = three.iter().map(|&i| tree.node(i).path.as_slice()).collect();
+        assert_eq!(paths, vec![&[][..], &[0][..], &[0, 0][..]], "the two likeliest, a chain");
+        assert_eq!(choose_at_least(&tree, &est, &steep, 0.0, 99).len(), tree.len(), "no more than the tree has");
+        // Where the cut keeps more than asked, the minimum changes nothing.
+        let flat = curve(&[10.0; 5]);
+        assert_eq!(choose_at_least(&tree, &est, &flat, 0.0, 2), choose_nodes(&tree, &est, &flat, 0.0));
     }
 
     #[test]

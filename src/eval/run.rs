@@ -61,6 +61,9 @@ pub struct Summary {
     /// Where a step's time went, ms per target forward: drafting, the tree forward,
     /// verification, commit (KV compaction and the drafter's own update).
     pub step_ms: StepTimes,
+    /// `auto` steps that verified a larger tree to price it, the start-up cost curve having
+    /// overpriced the run's forwards (see [`crate::draft::budget::EXPLORE_EVERY`]).
+    pub explored_steps: usize,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -114,6 +117,7 @@ pub fn summarise(turns: &[&TurnResult], tree: usize) -> Summary {
         s.step_ms.commit += st.time.commit;
         nodes_total += st.tree_nodes_total;
         copied += st.lookup_accepted;
+        s.explored_steps += st.explored;
         if s.accept_hist.len() < st.accept_hist.len() {
             s.accept_hist.resize(st.accept_hist.len(), 0);
         }

@@ -15,7 +15,7 @@ use crate::cpu::attention::TreeMask;
 use crate::cpu::reduce::{row_to_vec, with_rows};
 use crate::decode::generate::{check_budget, GenStats, StopRule};
 use crate::decode::sampling::{Rng64, SamplingParams};
-use crate::draft::budget::{Budget, Calibration, CostCurve, Draft, LiveCosts, AFFORDABLE_COST, AUTO_NODES};
+use crate::draft::budget::{Budget, Calibration, CostCurve, Draft, LiveCosts, AFFORDABLE_COST, AUTO_NODES, EXPLORE_EVERY, EXPLORE_EXTRA};
 use crate::draft::choice::TreeChoice;
 use crate::draft::drafter::{DraftState, Drafter};
 use crate::draft::lookup::Lookup;
@@ -74,6 +74,9 @@ pub struct SpecStats {
     /// Nodes the context lookup added to the drafter's trees, and how many of them were accepted.
     pub lookup_nodes: usize,
     pub lookup_accepted: usize,
+    /// Steps that verified a larger `auto` tree than the fitted costs afford, because the run's
+    /// forwards came out cheaper than the start-up curve said ([`LiveCosts::start_overpriced`]).
+    pub explored: usize,
 }
 
 #[derive(Debug, Clone, Default, serde::Serialize)]
@@ -190,6 +193,8 @@ pub struct Sequence<'d> {
     lag: Vec<(Tensor, u32)>,
     /// Whether the work out now skipped drafting.
     skipping: bool,
+    /// The work out now is an exploring step: its cut keeps at least this many nodes.
+    exploring: Option<usize>,
 }
 
 impl<'d> Sequence<'d> {
@@ -237,6 +242,7 @@ impl<'d> Sequence<'d> {
             rng,
             stats,
             drafts: Vec::new(),
+            exploring: None,
             started: Instant::now(),
             lag: Vec::new(),
             skipping: false,
@@ -316,9 +322,17 @@ impl<'d> Sequence<'d> {
                 let costs = self.live.as_ref().map(LiveCosts::curve);
                 let min_expand = costs.as_ref().map_or(0.0, |c| expansion_floor(c, &self.stats, self.levels, self.out.len()) / self.calib.drafter_factor());
                 let refitted;
+                self.exploring = None;
                 let choice = match &costs {
                     Some(c) if self.refit => {
-                        refitted = TreeChoice::Auto(Budget { max_nodes: c.affordable(AFFORDABLE_COST).clamp(2, AUTO_NODES), costs: None, fit_to_device: true });
+                        let mut max_nodes = c.affordable(AFFORDABLE_COST).clamp(2, AUTO_NODES);
+                        let step = self.stats.gen.target_forwards;
+                        if self.live.as_ref().is_some_and(LiveCosts::start_overpriced) && step % EXPLORE_EVERY == EXPLORE_EVERY - 1 {
+                            max_nodes = (max_nodes + EXPLORE_EXTRA).min(AUTO_NODES);
+                            self.exploring = Some(max_nodes);
+                            self.stats.explored += 1;
+                        }
+                        refitted = TreeChoice::Auto(Budget { max_nodes, costs: None, fit_to_device: true });
                         &refitted
                     }
                     _ => &self.choice,
@@ -362,7 +376,7 @@ impl<'d> Sequence<'d> {
         match (work, self.costs()) {
             (Work::Tree { draft, .. }, Some(costs)) => {
                 let drafting_ms = self.stats.time.draft * 1e3 / self.stats.gen.target_forwards.max(1) as f64;
-                let draft = self.calib.cut(draft, &costs, drafting_ms)?;
+                let draft = self.calib.cut_at_least(draft, &costs, drafting_ms, self.exploring.unwrap_or(1))?;
                 let committed = self.cache.len();
                 Ok(Work::Tree { positions: draft.tree.positions(committed), mask: draft.tree.mask(), draft })
             }
