@@ -240,7 +240,8 @@ pub const EXPLORE_BELOW: f64 = 0.9;
 /// [`LiveCosts::start_overpriced`]: after this much observed weight (about as many steps).
 pub const EXPLORE_AFTER: f64 = 4.0;
 /// While the start-up curve is overpriced, one step in this many grows and verifies
-/// [`EXPLORE_EXTRA`] nodes past what the fitted line affords.
+/// [`EXPLORE_EXTRA`] nodes more than the cut has been keeping on average (the sizes where the
+/// fitted slope decides what the cut keeps).
 ///
 /// Why: the cost curve `auto` starts from is cached per build, so one timed while the host was
 /// busy sized every later run's trees. `scripts/headline` on the 2-core Zen 4 (at `fa41106`) met such a
@@ -618,9 +619,9 @@ mod tests {
         }
         assert!(live.start_overpriced());
         let blind = live.curve();
-        // One probe in EXPLORE_EVERY steps, EXPLORE_EXTRA nodes past what the fit affords.
+        // One probe in EXPLORE_EVERY steps, EXPLORE_EXTRA nodes past the 4 kept on average.
         for step in 24..200 {
-            let t = if step % EXPLORE_EVERY == EXPLORE_EVERY - 1 { (live.curve().affordable(AFFORDABLE_COST) + EXPLORE_EXTRA).min(AUTO_NODES) } else { 3 + step % 3 };
+            let t = if step % EXPLORE_EVERY == EXPLORE_EVERY - 1 { 4 + EXPLORE_EXTRA } else { 3 + step % 3 };
             live.observe(t, real.at(t));
         }
         let probed = live.curve();

@@ -328,8 +328,11 @@ impl<'d> Sequence<'d> {
                         let mut max_nodes = c.affordable(AFFORDABLE_COST).clamp(2, AUTO_NODES);
                         let step = self.stats.gen.target_forwards;
                         if self.live.as_ref().is_some_and(LiveCosts::start_overpriced) && step % EXPLORE_EVERY == EXPLORE_EVERY - 1 {
-                            max_nodes = (max_nodes + EXPLORE_EXTRA).min(AUTO_NODES);
-                            self.exploring = Some(max_nodes);
+                            // Just past the sizes the cut has been keeping: where the fit's slope decides.
+                            let kept = (self.stats.tree_nodes_total as f64 / step.max(1) as f64).round() as usize;
+                            let probe = (kept + EXPLORE_EXTRA).clamp(2, AUTO_NODES);
+                            max_nodes = max_nodes.max(probe);
+                            self.exploring = Some(probe);
                             self.stats.explored += 1;
                         }
                         refitted = TreeChoice::Auto(Budget { max_nodes, costs: None, fit_to_device: true });
