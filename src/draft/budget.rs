@@ -216,8 +216,8 @@ impl LiveCosts {
     }
 
     /// Whether the run's forwards have been clearly cheaper than the start-up curve predicted
-    /// for their sizes (by more than [`EXPLORE_BELOW`], over at least [`EXPLORE_AFTER`] steps'
-    /// weight). Then that curve was timed in a slow moment, and it also overprices the sizes the
+    /// for their sizes (below [`EXPLORE_BELOW`] of it, over at least [`EXPLORE_AFTER`] of
+    /// observed weight). Then that curve was timed in a slow moment, and it also overprices the sizes the
     /// run never tries: a sequence then probes a larger tree now and then
     /// ([`EXPLORE_EVERY`]), so the fit meets those sizes' real cost.
     pub fn start_overpriced(&self) -> bool {
@@ -237,7 +237,8 @@ impl LiveCosts {
 
 /// [`LiveCosts::start_overpriced`]: observed cost below this share of the start-up curve's.
 pub const EXPLORE_BELOW: f64 = 0.9;
-/// [`LiveCosts::start_overpriced`]: after this much observed weight (about as many steps).
+/// [`LiveCosts::start_overpriced`]: after this much observed weight (five steps, as the weights
+/// decay by `FORGET`).
 pub const EXPLORE_AFTER: f64 = 4.0;
 /// While the start-up curve is overpriced, one step in this many grows and verifies
 /// [`EXPLORE_EXTRA`] nodes more than the cut has been keeping on average (the sizes where the
@@ -252,6 +253,13 @@ pub const EXPLORE_AFTER: f64 = 4.0;
 pub const EXPLORE_EVERY: usize = 8;
 /// See [`EXPLORE_EVERY`].
 pub const EXPLORE_EXTRA: usize = 2;
+
+/// An exploring step's size: [`EXPLORE_EXTRA`] nodes past the mean a sequence's steps have
+/// verified so far (`nodes_total` over `steps`), within 2..=[`AUTO_NODES`].
+pub fn probe_size(nodes_total: usize, steps: usize) -> usize {
+    let kept = (nodes_total as f64 / steps.max(1) as f64).round() as usize;
+    (kept + EXPLORE_EXTRA).clamp(2, AUTO_NODES)
+}
 
 fn add(sums: &mut [f64; 5], w: f64, t: f64, ms: f64) {
     sums[0] += w;
@@ -636,6 +644,13 @@ mod tests {
             }
             assert!(!l.start_overpriced(), "{why}");
         }
+    }
+
+    #[test]
+    fn probes_go_two_nodes_past_the_mean_kept_size() {
+        assert_eq!(probe_size(0, 0), 2, "no steps yet: the smallest probe");
+        assert_eq!(probe_size(31, 7), 4 + EXPLORE_EXTRA, "4.4 nodes a step");
+        assert_eq!(probe_size(10_000, 10), AUTO_NODES, "never past auto's ceiling");
     }
 
     #[test]

@@ -15,7 +15,7 @@ use crate::cpu::attention::TreeMask;
 use crate::cpu::reduce::{row_to_vec, with_rows};
 use crate::decode::generate::{check_budget, GenStats, StopRule};
 use crate::decode::sampling::{Rng64, SamplingParams};
-use crate::draft::budget::{Budget, Calibration, CostCurve, Draft, LiveCosts, AFFORDABLE_COST, AUTO_NODES, EXPLORE_EVERY, EXPLORE_EXTRA};
+use crate::draft::budget::{choose_nodes, probe_size, Budget, Calibration, CostCurve, Draft, LiveCosts, AFFORDABLE_COST, AUTO_NODES, EXPLORE_EVERY};
 use crate::draft::choice::TreeChoice;
 use crate::draft::drafter::{DraftState, Drafter};
 use crate::draft::lookup::Lookup;
@@ -74,8 +74,9 @@ pub struct SpecStats {
     /// Nodes the context lookup added to the drafter's trees, and how many of them were accepted.
     pub lookup_nodes: usize,
     pub lookup_accepted: usize,
-    /// Steps that verified a larger `auto` tree than the fitted costs afford, because the run's
-    /// forwards came out cheaper than the start-up curve said ([`LiveCosts::start_overpriced`]).
+    /// Steps that verified a larger `auto` tree than the cut would have kept, because the run's
+    /// forwards came out cheaper than the start-up curve said ([`LiveCosts::start_overpriced`];
+    /// a sequence cut alone, as `generate` and `eval` cut).
     pub explored: usize,
 }
 
@@ -301,6 +302,7 @@ impl<'d> Sequence<'d> {
                 Ok(Some(Work::Prefill { mask: TreeMask::causal(tokens.len()), tokens, positions }))
             }
             Phase::Decode(state) => {
+                self.exploring = None;
                 let committed = self.cache.len();
                 if committed + 1 >= self.max_pos {
                     self.phase = Phase::Done;
@@ -322,18 +324,16 @@ impl<'d> Sequence<'d> {
                 let costs = self.live.as_ref().map(LiveCosts::curve);
                 let min_expand = costs.as_ref().map_or(0.0, |c| expansion_floor(c, &self.stats, self.levels, self.out.len()) / self.calib.drafter_factor());
                 let refitted;
-                self.exploring = None;
                 let choice = match &costs {
                     Some(c) if self.refit => {
                         let mut max_nodes = c.affordable(AFFORDABLE_COST).clamp(2, AUTO_NODES);
                         let step = self.stats.gen.target_forwards;
                         if self.live.as_ref().is_some_and(LiveCosts::start_overpriced) && step % EXPLORE_EVERY == EXPLORE_EVERY - 1 {
-                            // Just past the sizes the cut has been keeping: where the fit's slope decides.
-                            let kept = (self.stats.tree_nodes_total as f64 / step.max(1) as f64).round() as usize;
-                            let probe = (kept + EXPLORE_EXTRA).clamp(2, AUTO_NODES);
+                            // Grown here, forced by `cut` (a batch's cut prices the rows itself and
+                            // ignores it: then only this step's drafting grew a little more).
+                            let probe = probe_size(self.stats.tree_nodes_total, step);
                             max_nodes = max_nodes.max(probe);
                             self.exploring = Some(probe);
-                            self.stats.explored += 1;
                         }
                         refitted = TreeChoice::Auto(Budget { max_nodes, costs: None, fit_to_device: true });
                         &refitted
@@ -375,11 +375,21 @@ impl<'d> Sequence<'d> {
     /// Trim an `auto` tree to what is worth verifying for this sequence alone (a driver that
     /// prices a whole batch cuts with [`crate::draft::budget::choose_nodes_batch`] instead).
     /// Other work passes unchanged.
-    pub fn cut(&self, work: Work) -> Result<Work> {
+    /// An exploring step ([`crate::draft::budget::EXPLORE_EVERY`]) keeps at least its probe's
+    /// nodes, and counts in [`SpecStats::explored`] when that kept more than the cut would.
+    pub fn cut(&mut self, work: Work) -> Result<Work> {
         match (work, self.costs()) {
             (Work::Tree { draft, .. }, Some(costs)) => {
                 let drafting_ms = self.stats.time.draft * 1e3 / self.stats.gen.target_forwards.max(1) as f64;
-                let draft = self.calib.cut_at_least(draft, &costs, drafting_ms, self.exploring.unwrap_or(1))?;
+                let draft = match self.exploring {
+                    Some(probe) => {
+                        let plain = choose_nodes(&draft.tree, &self.calib.estimates(&draft), &costs, drafting_ms).len();
+                        let probed = self.calib.cut_at_least(draft, &costs, drafting_ms, probe)?;
+                        self.stats.explored += usize::from(probed.tree.len() > plain);
+                        probed
+                    }
+                    None => self.calib.cut(draft, &costs, drafting_ms)?,
+                };
                 let committed = self.cache.len();
                 Ok(Work::Tree { positions: draft.tree.positions(committed), mask: draft.tree.mask(), draft })
             }
