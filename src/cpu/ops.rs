@@ -88,14 +88,15 @@ fn glu_fwd<const GELU: bool>(s: &CpuStorage, l: &Layout, what: &str) -> candle_c
         let _ = simd;
         glu_row::<GELU>(g, u, o);
     };
-    let out = filled(t * n, |out| {
+    // SAFETY: the rows cover all `t * n` values and each row kernel stores its whole row.
+    let out = unsafe { filled(t * n, |out| {
         if t * w >= crate::cpu::team::PAR_MIN_VALUES {
             let mut rows: Vec<(&[f32], &mut [MaybeUninit<f32>])> = x.chunks(w).zip(out.chunks_mut(n)).collect();
             crate::cpu::team::for_each_mut(&mut rows, |_, (x, o)| row((x, o)));
         } else {
             x.chunks(w).zip(out.chunks_mut(n)).for_each(row);
         }
-    });
+    }) };
     Ok((CpuStorage::F32(out), Shape::from((t, n))))
 }
 
@@ -105,19 +106,6 @@ fn glu_fwd<const GELU: bool>(s: &CpuStorage, l: &Layout, what: &str) -> candle_c
 /// team waits (3% of an 8-row native forward); here eight rows' chains run side by side.
 pub struct RmsNormRows {
     pub eps: f32,
-}
-
-/// A fresh `len`-value buffer that `fill` writes in full, without zeroing it first. Why: the
-/// norms' and SwiGLU's outputs were zero-filled allocations (mimalloc clears a reused block),
-/// about 3 MB of memset per 8-row native forward of SmolLM2 (memset 1.05% of its samples in
-/// `perf`, 0.71% after, the rest outside these ops).
-/// `fill` must write every value: each caller's row kernels store their whole rows.
-fn filled(len: usize, fill: impl FnOnce(&mut [MaybeUninit<f32>])) -> Vec<f32> {
-    let mut out = Vec::with_capacity(len);
-    fill(&mut out.spare_capacity_mut()[..len]);
-    // SAFETY: `fill` wrote every one of the `len` values (see above).
-    unsafe { out.set_len(len) };
-    out
 }
 
 /// `&mut [f32]` as `&mut [MaybeUninit<f32>]`, for tests that hand the kernels ordinary buffers.
@@ -201,14 +189,15 @@ impl candle_core::CustomOp2 for RmsNormRows {
             candle_core::bail!("rms-norm: input {:?} against a weight of {n}", l1.dims())
         }
         let group = NORM_ROWS * n;
-        let out = filled(x.len(), |out| {
+        // SAFETY: the groups cover all values and each group's rows are written whole.
+        let out = unsafe { filled(x.len(), |out| {
             if x.len() >= crate::cpu::team::PAR_MIN_VALUES {
                 let mut parts: Vec<(&[f32], &mut [MaybeUninit<f32>])> = x.chunks(group).zip(out.chunks_mut(group)).collect();
                 crate::cpu::team::for_each_mut(&mut parts, |_, (x, o)| rms_norm_rows(x, w, self.eps, o));
             } else {
                 x.chunks(group).zip(out.chunks_mut(group)).for_each(|(x, o)| rms_norm_rows(x, w, self.eps, o));
             }
-        });
+        }) };
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 }
