@@ -115,6 +115,10 @@ fn bad_arguments() {
     let (f1, f4) = (floors[0].as_f64().unwrap(), floors[1].as_f64().unwrap());
     assert!(f1 > 0.0 && f4 >= f1, "floors {f1} {f4}");
     assert!(v[0]["roofline"]["read_bytes_per_s"].as_f64().unwrap() > 0.0);
+    // The bandwidth over the forward's own working set (weights and KV cache) is measured too.
+    let ws = v[0]["roofline"]["working_set_bytes"].as_u64().unwrap() as usize;
+    assert!(ws > v[0]["weight_bytes"].as_u64().unwrap() as usize, "{ws}");
+    assert!(v[0]["roofline"]["working_set_read_bytes_per_s"].as_f64().unwrap() > 0.0);
 }
 
 /// `SELFSPEC_ISA` keeps the kernels below the CPU's widest path (how an AVX-512 machine times

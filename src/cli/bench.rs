@@ -19,10 +19,11 @@ pub struct BenchArgs {
     reps: usize,
     #[arg(long)]
     json: bool,
-    /// Also measure this machine's read bandwidth and arithmetic peaks (about a second and
-    /// 1 GiB of memory, before each format) and print each forward's floor, max(bytes read /
-    /// bandwidth, multiply-adds / peak), with the weights, KV cache and attention counted:
-    /// how flat a cost curve this hardware allows at all
+    /// Also measure this machine's read bandwidth (from DRAM, and over the forward's own working
+    /// set, which may fit in cache) and arithmetic peaks (about a second and 1 GiB of memory,
+    /// before each format) and print each forward's floor, max(bytes read / bandwidth,
+    /// multiply-adds / peak), with the weights, KV cache and attention counted: how flat a cost
+    /// curve this hardware allows at all
     #[arg(long)]
     roofline: bool,
 }
@@ -52,15 +53,19 @@ pub fn run(a: BenchArgs) -> Result<()> {
 fn print_format(f: &FormatBench, context: usize, device: &str) {
     if let Some(r) = &f.roofline {
         println!(
-            "roofline ({} threads, {}): read {:.1} GB/s, f32 {:.0} GMAC/s, int8 {:.0} GMAC/s (best of a few runs; the floors count weights, KV cache and attention, and assume reads and arithmetic overlap perfectly)",
+            "roofline ({} threads, {}): read {:.1} GB/s from DRAM, {:.1} GB/s over the forward's {:.0} MB{}, f32 {:.0} GMAC/s, int8 {:.0} GMAC/s (best of a few runs; the floors count weights, KV cache and attention, and assume reads and arithmetic overlap perfectly)",
             r.threads,
             r.isa,
             r.read_bytes_per_s / 1e9,
+            r.working_set_read_bytes_per_s / 1e9,
+            r.working_set_bytes as f64 / 1e6,
+            // 15%: beyond the minute-to-minute noise of one bandwidth test.
+            if r.working_set_read_bytes_per_s > 1.15 * r.read_bytes_per_s { " (in cache: the floors use it)" } else { "" },
             r.f32_macs_per_s / 1e9,
             r.int8_macs_per_s / 1e9
         );
     }
-    let (bw, measured) = f.roofline.map_or((DRAM_BYTES_PER_S, ""), |r| (r.read_bytes_per_s, " measured"));
+    let (bw, measured) = f.roofline.map_or((DRAM_BYTES_PER_S, ""), |r| (r.forward_read_bytes_per_s(), " measured"));
     println!(
         "weights {}: {:.0} MB of weights read per forward (their floor at{measured} {:.1} GB/s: {:.1} ms); {context}-token context, {} KV cache, {device}{}",
         f.weights,

@@ -19,7 +19,8 @@ pub struct BenchOptions {
     pub tokens: Vec<usize>,
     /// Repetitions per row (the median is reported).
     pub reps: usize,
-    /// Also measure this machine's peaks and give each row its floor.
+    /// Also measure this machine's peaks (and its read bandwidth over each format's working set)
+    /// and give each row its floor.
     pub roofline: bool,
 }
 
@@ -56,8 +57,9 @@ pub fn bench(target: &mut Target, opts: &BenchOptions, each: &mut dyn FnMut(&For
     for &f in &opts.formats {
         target.set_weights(f)?;
         // Measured again for each format, just before its forwards: a shared host's bandwidth
-        // and arithmetic move by a quarter from one minute to the next.
-        let roof = opts.roofline.then(Roofline::measure);
+        // and arithmetic move by a quarter from one minute to the next. The read bandwidth is
+        // measured over this forward's own working set as well, which may fit in cache.
+        let roof = opts.roofline.then(|| Roofline::measure_for(Roofline::working_set(&target.model, opts.context)));
         let rows = bench_forward(&target.model, opts.context, &opts.tokens, opts.reps.max(1))?;
         let r = FormatBench {
             weights: f.name(),
