@@ -53,14 +53,20 @@ pub fn run(a: BenchArgs) -> Result<()> {
 fn print_format(f: &FormatBench, context: usize, device: &str) {
     if let Some(r) = &f.roofline {
         println!(
-            "roofline ({} threads, {}): read {:.1} GB/s from DRAM, {:.1} GB/s over the forward's {:.0} MB{}, f32 {:.0} GMAC/s, int8 {:.0} GMAC/s (best of a few runs; the floors count weights, KV cache and attention, and assume reads and arithmetic overlap perfectly)",
+            "roofline ({} threads, {}): read {:.1} GB/s from DRAM{}, f32 {:.0} GMAC/s, int8 {:.0} GMAC/s (best of a few runs; the floors count weights, KV cache and attention, and assume reads and arithmetic overlap perfectly)",
             r.threads,
             r.isa,
             r.read_bytes_per_s / 1e9,
-            r.working_set_read_bytes_per_s / 1e9,
-            r.working_set_bytes as f64 / 1e6,
-            // 15%: beyond the minute-to-minute noise of one bandwidth test.
-            if r.working_set_read_bytes_per_s > 1.15 * r.read_bytes_per_s { " (in cache: the floors use it)" } else { "" },
+            match r.working_set_bytes {
+                0 => String::new(),
+                ws => format!(
+                    ", {:.1} GB/s over the forward's {:.0} MB{}",
+                    r.working_set_read_bytes_per_s / 1e9,
+                    ws as f64 / 1e6,
+                    // 15%: beyond the minute-to-minute noise of one bandwidth test.
+                    if r.working_set_read_bytes_per_s > 1.15 * r.read_bytes_per_s { " (in cache: the floors use it)" } else { "" }
+                ),
+            },
             r.f32_macs_per_s / 1e9,
             r.int8_macs_per_s / 1e9
         );

@@ -89,10 +89,13 @@ impl Roofline {
     /// [`Roofline::measure`], and the read bandwidth over `working_set` bytes too (a buffer of
     /// that size for the moment, read at least 8 times and 1 GiB in all; the first pass warms
     /// the cache and the best pass counts), so a working set that fits in the last-level cache
-    /// gets the floor it really has. 0 skips the second test.
+    /// gets the floor it really has. 0, or more than [`READ_BYTES`] (no cache holds it, and a
+    /// second copy of an 8B model's 4.5 GB could exhaust the memory the model left), skips the
+    /// second test: the floors then use DRAM's bandwidth.
     pub fn measure_for(working_set: usize) -> Self {
         let threads = crate::cpu::team::threads();
         let dram = read_bandwidth(READ_BYTES, 6);
+        let working_set = if working_set > READ_BYTES { 0 } else { working_set };
         let cached = if working_set == 0 { 0.0 } else { read_bandwidth(working_set, (READ_BYTES / working_set).clamp(8, 64)) };
         Roofline {
             read_bytes_per_s: dram,
@@ -403,6 +406,10 @@ mod tests {
         let r = Roofline::measure_for(1 << 20);
         assert_eq!(r.working_set_bytes, 1 << 20);
         assert!(r.working_set_read_bytes_per_s > 1e8 && r.forward_read_bytes_per_s() >= r.read_bytes_per_s);
+        // Larger than any cache: not measured (no second buffer of that size is allocated).
+        let r = Roofline::measure_for(READ_BYTES + 1);
+        assert_eq!((r.working_set_bytes, r.working_set_read_bytes_per_s), (0, 0.0));
+        assert_eq!(r.forward_read_bytes_per_s(), r.read_bytes_per_s);
         let f = f32_fma_peak();
         let i = int8_dot_peak();
         assert!(f.is_finite() && f > 1e8, "{f}");
