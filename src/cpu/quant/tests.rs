@@ -431,3 +431,41 @@ fn quant_rows_reject_bad_shapes_and_permute() {
     assert_eq!("Q8_0".parse::<WeightFormat>().unwrap(), WeightFormat::Q8_0);
     assert!("q5".parse::<WeightFormat>().is_err());
 }
+
+/// Q4_K's own packing path (whole super-blocks at a time) writes every column's codes, scale and
+/// offset exactly as `block_of` decodes them, in the panel layout the kernels read; a partial
+/// last panel included.
+#[test]
+fn q4_k_panels_hold_what_block_of_decodes() {
+    use candle_core::quantized::{GgmlDType, QTensor};
+    let (n, k) = (40, 512);
+    let t = candle_core::Tensor::from_vec(rand_vec(n * k, 47), (n, k), &candle_core::Device::Cpu).unwrap();
+    let q = QTensor::quantize(&t, GgmlDType::Q4K).unwrap();
+    let mut bytes = q.data().unwrap().to_vec();
+    // Row 1's scales and mins at their largest 6-bit values (the bits sub-blocks 4-7 keep in the
+    // upper two bits of the first eight bytes).
+    bytes[k / 256 * 144 + 4..k / 256 * 144 + 16].fill(0xff);
+    let rows = QuantRows::new(QuantKind::Q4K, n, k, bytes).unwrap();
+    let p = PackedQuant::pack(&rows);
+    let nb = k / QK;
+    let (stride, codes) = (PackedQuant::stride(true, 0, true), PackedQuant::codes_bytes(true, 0));
+    let half = |at: &[u8]| f16::from_le_bytes([at[0], at[1]]);
+    for j in 0..n {
+        let (panel, c) = (j / PANEL, j % PANEL);
+        for b in 0..nb {
+            let (d, m, want) = rows.block_of(rows.row(j), b);
+            let blk = &p.data[(panel * nb + b) * stride..][..stride];
+            let mut got = [0u8; QK];
+            for g in 0..4 {
+                for i in 0..4 {
+                    let byte = blk[g * 64 + c * 4 + i];
+                    got[4 * g + i] = byte & 0x0f;
+                    got[16 + 4 * g + i] = byte >> 4;
+                }
+            }
+            assert_eq!(got, want, "column {j}, block {b}: codes");
+            assert_eq!(half(&blk[codes + 2 * c..]).to_bits(), d.to_bits(), "column {j}, block {b}: scale");
+            assert_eq!(half(&blk[codes + 32 + 2 * c..]).to_bits(), m.to_bits(), "column {j}, block {b}: offset");
+        }
+    }
+}
