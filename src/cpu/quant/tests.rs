@@ -432,40 +432,57 @@ fn quant_rows_reject_bad_shapes_and_permute() {
     assert!("q5".parse::<WeightFormat>().is_err());
 }
 
-/// Q4_K's own packing path (whole super-blocks at a time) writes every column's codes, scale and
-/// offset exactly as `block_of` decodes them, in the panel layout the kernels read; a partial
-/// last panel included.
+/// Q4_K's and Q6_K's own packing paths (whole super-blocks at a time) write every column's
+/// codes (with Q6_K's fifth and sixth bits in their planes) and its two f16 values exactly as
+/// `block_of` decodes them, in the panel layout the kernels read; a partial last panel included.
 #[test]
-fn q4_k_panels_hold_what_block_of_decodes() {
+fn k_quant_panels_hold_what_block_of_decodes() {
     use candle_core::quantized::{GgmlDType, QTensor};
     let (n, k) = (40, 512);
     let t = candle_core::Tensor::from_vec(rand_vec(n * k, 47), (n, k), &candle_core::Device::Cpu).unwrap();
-    let q = QTensor::quantize(&t, GgmlDType::Q4K).unwrap();
-    let mut bytes = q.data().unwrap().to_vec();
-    // Row 1's scales and mins at their largest 6-bit values (the bits sub-blocks 4-7 keep in the
-    // upper two bits of the first eight bytes).
-    bytes[k / 256 * 144 + 4..k / 256 * 144 + 16].fill(0xff);
-    let rows = QuantRows::new(QuantKind::Q4K, n, k, bytes).unwrap();
-    let p = PackedQuant::pack(&rows);
-    let nb = k / QK;
-    let (stride, codes) = (PackedQuant::stride(true, 0, true), PackedQuant::codes_bytes(true, 0));
-    let half = |at: &[u8]| f16::from_le_bytes([at[0], at[1]]);
-    for j in 0..n {
-        let (panel, c) = (j / PANEL, j % PANEL);
-        for b in 0..nb {
-            let (d, m, want) = rows.block_of(rows.row(j), b);
-            let blk = &p.data[(panel * nb + b) * stride..][..stride];
-            let mut got = [0u8; QK];
-            for g in 0..4 {
-                for i in 0..4 {
-                    let byte = blk[g * 64 + c * 4 + i];
-                    got[4 * g + i] = byte & 0x0f;
-                    got[16 + 4 * g + i] = byte >> 4;
-                }
+    for (dtype, kind, high) in [(GgmlDType::Q4K, QuantKind::Q4K, 0u8), (GgmlDType::Q6K, QuantKind::Q6K, 2)] {
+        let q = QTensor::quantize(&t, dtype).unwrap();
+        let mut bytes = q.data().unwrap().to_vec();
+        let row_bytes = k / 256 * kind.block_bytes();
+        if kind == QuantKind::Q4K {
+            // Row 1's scales and mins at their largest 6-bit values (sub-blocks 4-7 keep two
+            // of their bits in the upper bits of the first eight bytes).
+            bytes[row_bytes + 4..row_bytes + 16].fill(0xff);
+        } else {
+            // Row 1's codes as arbitrary bytes: every nibble and bit pair, not only the ones a
+            // quantizer picks.
+            for (i, b) in bytes[row_bytes..row_bytes + 192].iter_mut().enumerate() {
+                *b = (i as u8).wrapping_mul(151).wrapping_add(7);
             }
-            assert_eq!(got, want, "column {j}, block {b}: codes");
-            assert_eq!(half(&blk[codes + 2 * c..]).to_bits(), d.to_bits(), "column {j}, block {b}: scale");
-            assert_eq!(half(&blk[codes + 32 + 2 * c..]).to_bits(), m.to_bits(), "column {j}, block {b}: offset");
+        }
+        let rows = QuantRows::new(kind, n, k, bytes).unwrap();
+        let p = PackedQuant::pack(&rows);
+        let nb = k / QK;
+        let (stride, codes) = (PackedQuant::stride(true, high, kind == QuantKind::Q4K), PackedQuant::codes_bytes(true, high));
+        let half = |at: &[u8]| f16::from_le_bytes([at[0], at[1]]);
+        for j in 0..n {
+            let (panel, c) = (j / PANEL, j % PANEL);
+            for b in 0..nb {
+                let (d, m, want) = rows.block_of(rows.row(j), b);
+                let blk = &p.data[(panel * nb + b) * stride..][..stride];
+                let mut got = [0u8; QK];
+                for g in 0..4 {
+                    for i in 0..4 {
+                        let byte = blk[g * 64 + c * 4 + i];
+                        let bit = 4 * c + i;
+                        let plane_bit = |at: usize| (blk[256 + 32 * g + at + bit / 8] >> (bit % 8)) & 1;
+                        got[4 * g + i] = byte & 0x0f;
+                        got[16 + 4 * g + i] = byte >> 4;
+                        if high == 2 {
+                            got[4 * g + i] += 16 * plane_bit(0) + 32 * plane_bit(8);
+                            got[16 + 4 * g + i] += 16 * plane_bit(16) + 32 * plane_bit(24);
+                        }
+                    }
+                }
+                assert_eq!(got, want, "{kind:?} column {j}, block {b}: codes");
+                assert_eq!(half(&blk[codes + 2 * c..]).to_bits(), d.to_bits(), "{kind:?} column {j}, block {b}: scale");
+                assert_eq!(half(&blk[codes + 32 + 2 * c..]).to_bits(), m.to_bits(), "{kind:?} column {j}, block {b}: offset or second scale");
+            }
         }
     }
 }
