@@ -63,8 +63,7 @@ fn print_format(f: &FormatBench, context: usize, device: &str) {
                     ", {:.1} GB/s over the forward's {:.0} MB{}",
                     r.working_set_read_bytes_per_s / 1e9,
                     ws as f64 / 1e6,
-                    // 15%: beyond the minute-to-minute noise of one bandwidth test.
-                    if r.working_set_read_bytes_per_s > 1.15 * r.read_bytes_per_s { " (in cache: the floors use it)" } else { "" }
+                    if r.working_set_in_cache() { " (in cache: the floors use it)" } else { "" }
                 ),
             },
             r.f32_macs_per_s / 1e9,

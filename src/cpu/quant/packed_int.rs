@@ -79,7 +79,8 @@ impl PackedQuant {
                     QuantKind::Q6K => pack_q6k_column(row, c, panel, stride, codes),
                     // Q8_0, Q4_0 and Q4_1 blocks hold their codes in the packed order already
                     // (bytes regrouped; Q8_0's signed codes offset by 128): copied as they are,
-                    // which made packing an 8B model's weights about twice as fast.
+                    // which made packing an 8B model's weights about twice as fast. Q5_0's
+                    // nibbles are copied too and its fifth bits moved into their plane.
                     QuantKind::Q8_0 | QuantKind::Q4_0 | QuantKind::Q4_1 | QuantKind::Q5_0 => {
                         let bb = q.kind.block_bytes();
                         for (b, blk) in row.chunks_exact(bb).enumerate().take(nb) {
@@ -130,8 +131,8 @@ impl PackedQuant {
 /// [`QuantRows::block_of`] gives (f16 of d·sc and of -dmin·m per 32-value sub-block). Two
 /// sub-blocks share 32 code bytes, the even one in the low nibbles, so a packed byte is two
 /// nibbles moved, and each super-block's 16 f16 values are converted together. Through
-/// `block_of`, each code and each f16 on its own, an 8B-shaped Q4_K model spent 10-12 s of CPU
-/// packing against Q4_0's 2.4-2.9 s (2-core Xeon).
+/// `block_of`, each code and each f16 on its own, loading an 8B-shaped Q4_K model took 10-12 s of
+/// user CPU time against Q4_0's 2.4-2.9 s; now 4.7-5.2 s (2-core Xeon).
 fn pack_q4k_column(row: &[u8], c: usize, panel: &mut [u8], stride: usize, codes: usize) {
     use half::slice::HalfFloatSliceExt;
     for (sbi, sb) in row.chunks_exact(144).enumerate() {
