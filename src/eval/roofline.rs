@@ -19,10 +19,11 @@ use crate::cpu::quant::WeightFormat;
 /// measured here have 260 and 480 MB of L3), so the reads come from DRAM.
 pub const READ_BYTES: usize = 1 << 30;
 
-/// How much faster than DRAM a working set must read to count as cached: beyond the
-/// minute-to-minute spread of one bandwidth test (a 544 MB set, which no cache here holds,
-/// read within 0-5% of the 1 GiB figure; cached sets 1.8-2.3 times it).
-pub const IN_CACHE_MARGIN: f64 = 1.15;
+/// How much faster than DRAM a working set must read to count as cached: beyond the spread of
+/// the bandwidth test where no cache holds the buffer (192 MB to 1 GiB on the 2-core Xeon with a
+/// 260 MB L3: 22.6-26.5 GB/s across runs, 1.17 times apart at most), short of what cached sets
+/// read (SmolLM2's 102 MB there: 1.55-2.3 times the same call's DRAM figure).
+pub const IN_CACHE_MARGIN: f64 = 1.3;
 
 /// Measured peaks of this machine, all threads together.
 #[derive(Debug, Clone, Copy, serde::Serialize)]
@@ -465,7 +466,7 @@ mod tests {
         r.working_set_read_bytes_per_s = 4e6;
         assert!(r.working_set_in_cache());
         assert!((r.floors_ms(&model, 16, &[1])[0] - one / 4e3).abs() < 1e-9);
-        for within_noise in [0.5e6, 1.1e6] {
+        for within_noise in [0.5e6, 1.1e6, 1.25e6] {
             r.working_set_read_bytes_per_s = within_noise;
             assert!(!r.working_set_in_cache());
             assert!((r.floors_ms(&model, 16, &[1])[0] - one / 1e3).abs() < 1e-9);
