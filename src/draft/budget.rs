@@ -363,12 +363,7 @@ impl Calibration {
     /// Keep the part of `draft` worth verifying on a device with `costs` (see [`choose_nodes`]);
     /// `fixed_ms` is the step's cost besides the forward (drafting).
     pub fn cut(&self, draft: Draft, costs: &CostCurve, fixed_ms: f64) -> Result<Draft> {
-        self.cut_at_least(draft, costs, fixed_ms, 1)
-    }
-
-    /// [`Calibration::cut`] keeping at least `min_nodes` nodes where the draft has them.
-    pub fn cut_at_least(&self, draft: Draft, costs: &CostCurve, fixed_ms: f64, min_nodes: usize) -> Result<Draft> {
-        let keep = choose_at_least(&draft.tree, &self.estimates(&draft), costs, fixed_ms, min_nodes);
+        let keep = choose_nodes(&draft.tree, &self.estimates(&draft), costs, fixed_ms);
         draft.restrict(&keep)
     }
 

@@ -15,7 +15,7 @@ use crate::cpu::attention::TreeMask;
 use crate::cpu::reduce::{row_to_vec, with_rows};
 use crate::decode::generate::{check_budget, GenStats, StopRule};
 use crate::decode::sampling::{Rng64, SamplingParams};
-use crate::draft::budget::{choose_nodes, probe_size, Budget, Calibration, CostCurve, Draft, LiveCosts, AFFORDABLE_COST, AUTO_NODES, EXPLORE_EVERY};
+use crate::draft::budget::{choose_at_least, choose_nodes, probe_size, Budget, Calibration, CostCurve, Draft, LiveCosts, AFFORDABLE_COST, AUTO_NODES, EXPLORE_EVERY};
 use crate::draft::choice::TreeChoice;
 use crate::draft::drafter::{DraftState, Drafter};
 use crate::draft::lookup::Lookup;
@@ -383,10 +383,12 @@ impl<'d> Sequence<'d> {
                 let drafting_ms = self.stats.time.draft * 1e3 / self.stats.gen.target_forwards.max(1) as f64;
                 let draft = match self.exploring {
                     Some(probe) => {
-                        let plain = choose_nodes(&draft.tree, &self.calib.estimates(&draft), &costs, drafting_ms).len();
-                        let probed = self.calib.cut_at_least(draft, &costs, drafting_ms, probe)?;
-                        self.stats.explored += usize::from(probed.tree.len() > plain);
-                        probed
+                        // The estimates once, for the cut alone and for the probe's cut.
+                        let est = self.calib.estimates(&draft);
+                        let plain = choose_nodes(&draft.tree, &est, &costs, drafting_ms).len();
+                        let keep = choose_at_least(&draft.tree, &est, &costs, drafting_ms, probe);
+                        self.stats.explored += usize::from(keep.len() > plain);
+                        draft.restrict(&keep)?
                     }
                     None => self.calib.cut(draft, &costs, drafting_ms)?,
                 };
