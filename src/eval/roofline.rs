@@ -86,16 +86,11 @@ pub fn floor_ms(work: &ForwardWork, read_bytes_per_s: f64, weights_macs_per_s: O
 }
 
 impl Roofline {
-    /// Measure bandwidth and arithmetic peaks (about a second, and [`READ_BYTES`] of memory for
-    /// the moment): DRAM bandwidth only, as for a working set larger than any cache.
-    pub fn measure() -> Self {
-        Self::measure_for(0)
-    }
-
-    /// [`Roofline::measure`], and the read bandwidth over `working_set` bytes too (a buffer of
-    /// that size for the moment, read [`READ_BYTES`] / `working_set` times, 8 to 64; the first
-    /// pass warms the cache and the best pass counts), so a working set that fits in the
-    /// last-level cache gets the floor it really has. 0, or more than [`READ_BYTES`] (no cache
+    /// Measure this machine's read bandwidth from DRAM (about a second, and [`READ_BYTES`] of
+    /// memory for the moment), its arithmetic peaks, and the read bandwidth over `working_set`
+    /// bytes (a buffer of that size for the moment, read [`READ_BYTES`] / `working_set` times,
+    /// 8 to 64; the first pass warms the cache and the best pass counts), so a working set that
+    /// fits in the last-level cache gets the floor it really has. 0, or more than [`READ_BYTES`] (no cache
     /// holds it, and a second copy of an 8B model's 4.5 GB could exhaust the memory the model
     /// left), skips the second test: the floors then use DRAM's bandwidth.
     pub fn measure_for(working_set: usize) -> Self {
