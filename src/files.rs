@@ -93,12 +93,41 @@ pub fn read_config(path: &std::path::Path) -> Result<String> {
 /// Read a small text file whole, after checking its size against `max` (so a huge or hostile
 /// file is refused before it is read); `what` names the kind of file in the message.
 pub fn read_text(path: &std::path::Path, max: u64, what: &str) -> Result<String> {
-    let len = std::fs::metadata(path).map_err(|e| Error::io(path, e))?.len();
-    if len > max {
-        return Err(Error::bad_file(path, format!("{len} bytes; {what} is read whole only up to {max}")));
-    }
-    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let bytes = read_bounded(path, max, &format!("{what} is read whole only up to {max} bytes"))?;
     String::from_utf8(bytes).map_err(|_| Error::bad_file(path, "not UTF-8 text"))
+}
+
+/// Most bytes read from something that is not a regular file (a pipe, `/dev/stdin`, a device),
+/// whose size is unknown until it has been read: `/dev/zero` as a prompts file read until memory
+/// ran out.
+pub const MAX_STREAM_BYTES: u64 = 256 << 20;
+
+/// Read `path` whole, refusing more than `max` bytes (`why` says why, in the message): a regular
+/// file by its size before reading, anything else (a pipe, a device) by reading at most `max`
+/// (and [`MAX_STREAM_BYTES`]) plus one byte.
+pub fn read_bounded(path: &std::path::Path, max: u64, why: &str) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+    if meta.is_dir() {
+        return Err(Error::bad_file(path, "a directory, not a file"));
+    }
+    let (max, why) = if meta.is_file() {
+        if meta.len() > max {
+            return Err(Error::bad_file(path, format!("{} bytes; {why}", meta.len())));
+        }
+        (max, why.to_string())
+    } else if max > MAX_STREAM_BYTES {
+        (MAX_STREAM_BYTES, "not a regular file (a pipe or a device), which is read only up to that".to_string())
+    } else {
+        (max, why.to_string())
+    };
+    let f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let mut bytes = Vec::new();
+    f.take(max.saturating_add(1)).read_to_end(&mut bytes).map_err(|e| Error::io(path, e))?;
+    if bytes.len() as u64 > max {
+        return Err(Error::bad_file(path, format!("more than {max} bytes; {why}")));
+    }
+    Ok(bytes)
 }
 
 /// This machine's available memory in bytes (`MemAvailable`), where the OS says.
@@ -112,13 +141,10 @@ pub fn available_memory() -> Option<u64> {
 /// when it could not fit: text is held several times over while it is tokenized, so a file
 /// larger than a quarter of the available memory is refused before it is read.
 pub fn read_data(path: &std::path::Path) -> Result<Vec<u8>> {
-    let len = std::fs::metadata(path).map_err(|e| Error::io(path, e))?.len();
-    if let Some(avail) = available_memory() {
-        if len > avail / 4 {
-            return Err(Error::bad_file(path, format!("{:.1} GB, more than a quarter of this machine's {:.1} GB of available memory; split it into smaller files", len as f64 / 1e9, avail as f64 / 1e9)));
-        }
+    match available_memory() {
+        Some(avail) => read_bounded(path, avail / 4, &format!("more than a quarter of this machine's {:.1} GB of available memory; split it into smaller files", avail as f64 / 1e9)),
+        None => read_bounded(path, u64::MAX, "too large to read"),
     }
-    std::fs::read(path).map_err(|e| Error::io(path, e))
 }
 
 /// Write tensors as a safetensors file atomically (sibling temporary file, then rename), with an
@@ -237,6 +263,25 @@ mod tests {
         assert_eq!(size.parse::<u64>().unwrap(), len);
         assert!(time.parse::<u128>().unwrap() > 0);
         assert_eq!(build_identity(), id);
+    }
+
+    /// A file over the bound is refused by its size; a stream (`/dev/zero`, which never ends)
+    /// is read no further than the bound plus a byte; a directory is named as one.
+    #[test]
+    fn bounded_reads_refuse_what_is_too_large_even_without_a_size() {
+        let dir = std::env::temp_dir().join(format!("selfspec-bounded-{}", std::process::id()));
+        let p = dir.join("t.txt");
+        write_atomic(&p, b"hello").unwrap();
+        assert_eq!(read_bounded(&p, 5, "test").unwrap(), b"hello");
+        assert!(read_bounded(&p, 4, "test").unwrap_err().to_string().contains("5 bytes"));
+        let zero = std::path::Path::new("/dev/zero");
+        if zero.exists() {
+            let e = read_bounded(zero, 1 << 20, "test").unwrap_err().to_string();
+            assert!(e.contains("/dev/zero") && e.contains("more than 1048576 bytes"), "{e}");
+            assert!(read_text(zero, 1 << 20, "a tree file").is_err());
+        }
+        assert!(read_bounded(&dir, 100, "test").unwrap_err().to_string().contains("directory"));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -93,6 +93,24 @@ fn every_subcommand_refuses_bad_input_cleanly() {
         (args(&["distill", "--model", &m, "--prompts", &prompts, "--out", &under_file("d.jsonl")]), &["cannot be written"]),
         (args(&["distill", "--model", &m, "--prompts", &prompts, "--out", &s(&dir.join("d2.jsonl")), "--temperature", "nan"]), &["temperature"]),
         (args(&["bench", "--model", &m, "--tokens", "0"]), &["--tokens"]),
+        // Sizes past the context used to abort on their allocation; zero repetitions and
+        // limits were quietly taken as one.
+        (args(&["bench", "--model", &m, "--tokens", "100000000", "--reps", "1"]), &["--tokens 100000000", "context"]),
+        (args(&["bench", "--model", &m, "--tokens", "1", "--reps", "0"]), &["--reps"]),
+        (args(&["eval", "--model", &m, "--drafter", &d, "--prompts", &prompts, "--limit", "0"]), &["--limit"]),
+        (args(&["tune", "--model", &m, "--drafter", &d, "--prompts", &prompts, "--out", &s(&dir.join("t.json")), "--check-prompts", "0"]), &["--check-prompts"]),
+        // A device that never ends, as a prompts or tree file: refused, not read until memory
+        // runs out.
+        (args(&["eval", "--model", &m, "--drafter", &d, "--prompts", "/dev/zero"]), &["/dev/zero", "not a regular file"]),
+        (gen(&["--drafter", &d, "--tree", "/dev/zero"]), &["/dev/zero"]),
+        (gen(&["--drafter", &d, "--tree", &s(&write("rank-20.json", b"[[0],[20]]"))]), &["rank-20.json", "rank 20"]),
+        (args(&["generate", "--model", &m, "--prompt", ""]), &["--prompt"]),
+        (args(&["train", "--model", &m, "--data", &prompts, "--out", &s(&dir.join("o6")), "--lr", "inf"]), &["--lr"]),
+        (args(&["train", "--model", &m, "--data", &prompts, "--out", &s(&dir.join("o7")), "--layers", "100000"]), &["--layers", "16"]),
+        (args(&["train", "--model", &m, "--data", &s(&dir.join("nope.txt")), "--out", &s(&dir.join("o8"))]), &["--data", "nope.txt"]),
+        (args(&["distill", "--model", &m, "--prompts", &prompts, "--out", &s(&dir.join("d3.jsonl")), "--batch", "0"]), &["--batch"]),
+        (args(&["distill", "--model", &m, "--prompts", &prompts, "--out", &s(&write("not-distill.jsonl", b"garbage\n{\"x\":1}\n"))]), &["not-distill.jsonl", "line 1"]),
+        (args(&["export", "--model", &m, "--drafter", &d, "--out", &d, "--format", "f16"]), &["--out", "--drafter directory itself"]),
         (args(&["bench", "--model", &garbage]), &["garbage.gguf"]),
         (args(&["export", "--model", &m, "--drafter", &s(&dir.join("nope")), "--out", &s(&dir.join("e"))]), &["nope"]),
         (args(&["export", "--model", &m, "--drafter", &d, "--out", &s(&dir.join("e2")), "--format", "q8"]), &["q8", "heads"]),
@@ -108,11 +126,12 @@ fn every_subcommand_refuses_bad_input_cleanly() {
         }
     }
     // Nothing half-made was left behind, and the existing output was not touched.
-    for p in ["o1", "o2", "o4", "o5", "d.jsonl", "d2.jsonl", "e", "e2", "kept.md", "kept.svg", "t.json"] {
+    for p in ["o1", "o2", "o4", "o5", "o6", "o7", "o8", "d.jsonl", "d2.jsonl", "d3.jsonl", "e", "e2", "kept.md", "kept.svg", "t.json"] {
         let p = dir.join(p);
         assert!(!p.exists(), "{} was left behind", p.display());
     }
     assert_eq!(std::fs::read(&kept).unwrap(), b"keep me");
+    assert_eq!(std::fs::read(dir.join("not-distill.jsonl")).unwrap(), b"garbage\n{\"x\":1}\n", "nothing appended");
     // With a drafter, --lossy-typical runs and says it is lossy.
     let (code, err) = run(&gen(&["--drafter", &d, "--lossy-typical", "--temperature", "0.7"]));
     assert_eq!(code, 0, "{err}");

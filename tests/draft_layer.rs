@@ -106,6 +106,15 @@ fn odd_widths_fall_back_to_f16_and_bare_chain_is_full_depth() {
     // Bare `chain` once meant 4 levels (5 nodes a step); now one node per level the layer drafts.
     let steps: usize = stats.accept_hist.iter().sum();
     assert!(steps > 0 && stats.tree_nodes_total > 5 * steps, "{} nodes over {steps} steps", stats.tree_nodes_total);
+    // A shorter context written in draft.json (a checkpoint's training length, or a bad value)
+    // is the target's once loaded: generation past it runs on instead of failing midway.
+    let cfg_path = out.join("draft.json");
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    v["layer"]["max_position"] = serde_json::json!(1);
+    std::fs::write(&cfg_path, v.to_string()).unwrap();
+    let short = Drafter::from_dir(&out, &t).unwrap();
+    let (spec, _) = generate_spec(&t.model, &short, &prompt, &opts, &mut rng(0), &mut |_| Ok(())).unwrap();
+    assert_eq!(spec, plain);
 }
 
 /// `--widen-vocab`: a layer trained over a few tokens, trained on with more; the old tokens stay,

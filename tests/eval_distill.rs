@@ -89,6 +89,11 @@ fn distill_appends_and_resumes() {
     let p = dir.join("p.txt");
     std::fs::write(&p, "one\ntwo\n").unwrap();
     assert_eq!(read_prompts(&p).unwrap().len(), 2);
+    // Some other file as --out is refused, not appended to (it would then be neither).
+    let other = dir.join("other.jsonl");
+    std::fs::write(&other, "garbage\n{\"x\":1}\n").unwrap();
+    let e = done_ids(&other).unwrap_err().to_string();
+    assert!(e.contains("other.jsonl") && e.contains("line 1") && e.contains("--out"), "{e}");
 }
 
 /// Batched distillation answers every prompt exactly as answering it alone does (greedy and

@@ -32,8 +32,13 @@ pub fn run(a: DistillArgs) -> Result<()> {
     if a.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }
+    if a.batch == 0 {
+        bail!("--batch must be at least 1");
+    }
     let items = selfspec::data::read_prompts(&a.prompts)?;
     selfspec::files::check_writable(&a.out)?;
+    // An existing --out must be this command's own output (resumed), checked before the load.
+    selfspec::train::distill::done_ids(&a.out)?;
     let target = a.model.load()?;
     if let Some(n) = target.plain_prompts_note() {
         eprintln!("{n}");

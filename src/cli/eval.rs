@@ -39,6 +39,9 @@ pub fn run(a: EvalArgs) -> Result<()> {
     if a.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }
+    if a.limit == Some(0) {
+        bail!("--limit must be at least 1 (it keeps the first N prompts)");
+    }
     let dir = a.drafter.dir("eval")?.to_path_buf();
     if let Some(prefix) = &a.out {
         selfspec::files::check_writable(&PathBuf::from(format!("{}.json", prefix.display())))?;
@@ -46,7 +49,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
     let trees = a.tree.iter().map(|t| Ok((t.clone(), Plan::parse(t)?))).collect::<Result<Vec<_>>>()?;
     let mut items = selfspec::data::read_prompts(&a.prompts)?;
     if let Some(n) = a.limit {
-        items.truncate(n.max(1));
+        items.truncate(n);
     }
     let mut target = a.model.load()?;
     if let Some(n) = target.plain_prompts_note() {

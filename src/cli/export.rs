@@ -28,6 +28,16 @@ pub struct ExportArgs {
 
 pub fn run(a: ExportArgs) -> Result<()> {
     let format: ExportFormat = a.format.parse()?;
+    if !a.drafter.is_dir() {
+        anyhow::bail!("--drafter {}: not a drafter directory", a.drafter.display());
+    }
+    // Writing over the drafter being read would leave it half one format, half the other.
+    if let (Ok(from), Ok(to)) = (a.drafter.canonicalize(), a.out.canonicalize()) {
+        if from == to {
+            anyhow::bail!("--out {} is the --drafter directory itself; export to another directory", a.out.display());
+        }
+    }
+    selfspec::files::check_writable_dir(&a.out)?;
     let target = a.model.load()?;
     let drafter = Drafter::from_dir(&a.drafter, &target)?;
     let what = export(&drafter, &a.drafter, &target, &a.out, format)?;

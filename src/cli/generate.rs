@@ -47,6 +47,9 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     if a.lossy_typical && a.drafter.drafter.is_none() {
         bail!("--lossy-typical changes how drafted tokens are accepted; it needs --drafter DIR");
     }
+    if a.prompt.is_empty() && !a.chat {
+        bail!("--prompt is empty: give it some text (or add --chat, which wraps even an empty prompt in the chat template)");
+    }
     let plan = Plan::parse(&a.tree)?;
     let t0 = std::time::Instant::now();
     let mut target = a.model.load()?;

@@ -150,6 +150,18 @@ pub fn run(a: TrainArgs) -> Result<()> {
     selfspec::train::parallel::single_threaded_candle_ops();
     let cfg = a.config();
     cfg.validate()?;
+    // Paths first: these used to be found missing only after the model load (or the target's
+    // hidden states, for --init).
+    for d in &a.data {
+        if !d.exists() {
+            anyhow::bail!("--data {}: no such file or directory", d.display());
+        }
+    }
+    if let Some(i) = &a.init {
+        if !i.is_dir() {
+            anyhow::bail!("--init {}: not a drafter directory", i.display());
+        }
+    }
     if !a.validate_only {
         selfspec::files::check_writable_dir(&a.out)?;
     }

@@ -31,6 +31,7 @@ pub struct TuneArgs {
 
 pub fn run(a: TuneArgs) -> Result<()> {
     a.drafter.dir("tune")?;
+    selfspec::eval::tune::check_sizes(a.max_nodes, a.max_tokens, a.check_prompts)?;
     selfspec::files::check_writable(&a.out)?;
     let items = selfspec::data::read_prompts(&a.prompts)?;
     let mut target = a.model.load()?;

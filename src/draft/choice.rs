@@ -1,12 +1,12 @@
 //! How each step's tree is chosen: a fixed tree, one grown per step from the drafter's
 //! probabilities, or one grown and then cut by this device's measured costs.
 use crate::draft::budget::{Budget, CostCurve, AUTO_NODES};
-use crate::draft::tree::{Tree, MAX_TREE_NODES};
+use crate::draft::tree::{Tree, MAX_RANK, MAX_TREE_NODES};
 use crate::model::Llama;
 use crate::{Error, Result};
 
 /// Deepest rank a tree may use: heads report this many candidates per position.
-pub const TOP_K_LIMIT: usize = 16;
+pub const TOP_K_LIMIT: usize = MAX_RANK;
 
 /// How each step's tree is chosen.
 #[derive(Debug, Clone)]

@@ -61,6 +61,10 @@ pub struct Heads {
     draft_first: Option<crate::model::Linear>,
 }
 
+/// Most heads, and most layers per head, a heads drafter may have: what the loader accepts (so
+/// `train` refuses more up front rather than write heads nothing can load).
+pub const MAX_HEADS: usize = 64;
+pub const MAX_HEAD_LAYERS: usize = 16;
 pub const WEIGHTS_FILE: &str = "heads.safetensors";
 pub const CONFIG_FILE: &str = "heads.json";
 /// vLLM's Medusa weights file.
@@ -365,8 +369,8 @@ impl Heads {
         }
         // The sizes that shape allocations, checked against the target before any is made.
         let mc = target.model.config();
-        if !(1..=64).contains(&cfg.num_heads) || cfg.num_layers > 16 {
-            return Err(Error::bad_file(&cfg_path, format!("{} heads of {} layers: expected 1 to 64 heads of at most 16 layers", cfg.num_heads, cfg.num_layers)));
+        if !(1..=MAX_HEADS).contains(&cfg.num_heads) || cfg.num_layers > MAX_HEAD_LAYERS {
+            return Err(Error::bad_file(&cfg_path, format!("{} heads of {} layers: expected 1 to {MAX_HEADS} heads of at most {MAX_HEAD_LAYERS} layers", cfg.num_heads, cfg.num_layers)));
         }
         if cfg.hidden_size != mc.hidden_size || cfg.vocab_size != mc.vocab_size || cfg.draft_vocab_size.is_some_and(|d| d == 0 || d > mc.vocab_size) {
             return Err(Error::bad_file(
@@ -468,8 +472,8 @@ impl Heads {
         get("hidden_size")?;
         get("vocab_size")?;
         let here = check_medusa_base(&c, &cfg_path, dir, target)?;
-        if !(1..=64).contains(&k_heads) || layers > 16 {
-            return Err(Error::bad_file(&cfg_path, format!("{k_heads} heads of {layers} layers: expected 1 to 64 heads of at most 16 layers")));
+        if !(1..=MAX_HEADS).contains(&k_heads) || layers > MAX_HEAD_LAYERS {
+            return Err(Error::bad_file(&cfg_path, format!("{k_heads} heads of {layers} layers: expected 1 to {MAX_HEADS} heads of at most {MAX_HEAD_LAYERS} layers")));
         }
         let truncated = c["truncated_vocab_size"].as_u64().map(|v| v as usize).unwrap_or(mcfg.vocab_size);
         if truncated == 0 || truncated > mcfg.vocab_size {
@@ -549,8 +553,8 @@ impl Heads {
         let (k_heads, layers) = (get("medusa_num_heads")?, get("medusa_num_layers")?);
         let mcfg = target.model.config();
         let here = check_medusa_base(&c, &cfg_path, dir, target)?;
-        if k_heads == 0 || layers > 16 || k_heads > 64 {
-            return Err(Error::bad_file(&cfg_path, format!("{k_heads} heads of {layers} layers: expected 1 to 64 heads of at most 16 layers")));
+        if k_heads == 0 || layers > MAX_HEAD_LAYERS || k_heads > MAX_HEADS {
+            return Err(Error::bad_file(&cfg_path, format!("{k_heads} heads of {layers} layers: expected 1 to {MAX_HEADS} heads of at most {MAX_HEAD_LAYERS} layers")));
         }
         let ts = candle_core::safetensors::load(&w_path, &Device::Cpu).map_err(|e| Error::bad_file(&w_path, format!("not a readable safetensors file: {e}")))?;
         let lm = target.model.lm_head_weight()?.to_device(&Device::Cpu)?;

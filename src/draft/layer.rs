@@ -267,8 +267,12 @@ pub struct DraftLayer {
 
 impl DraftLayer {
     /// Build from trained tensors (names of [`tensor_names`]) and the draft vocabulary's ids.
-    pub fn from_tensors(tensors: HashMap<String, Tensor>, ids: Vec<u32>, cfg: DraftLayerConfig, target: &Llama) -> Result<Self> {
+    pub fn from_tensors(tensors: HashMap<String, Tensor>, ids: Vec<u32>, mut cfg: DraftLayerConfig, target: &Llama) -> Result<Self> {
         let tcfg = target.config();
+        // The layer runs at the target's positions, so its context is the target's: a shorter one
+        // recorded in a file (an EAGLE-3 checkpoint's training length, or a bad value) used to
+        // end a generation with an error once the text grew past it.
+        cfg.layer.max_position = tcfg.max_position;
         if cfg.layer.hidden_size != tcfg.hidden_size || ids.len() != cfg.layer.vocab_size {
             return Err(Error::InvalidArgument(format!(
                 "draft layer of width {} over {} tokens does not fit a target of width {} ({} ids given)",

@@ -21,6 +21,9 @@ const _: () = assert!(MAX_TREE_NODES < crate::model::llama::MIN_SLIDING_WINDOW);
 /// The largest tree file read: 63 paths of at most 63 ranks fit in a few kilobytes.
 pub const MAX_TREE_FILE_BYTES: u64 = 1 << 16;
 
+/// Deepest rank a tree may use: drafters report this many candidates per position at most.
+pub const MAX_RANK: usize = 16;
+
 /// The tree forms a `--tree` spec may take, for error messages.
 pub const TREE_FORMS: &str = "cpu, gpu, chain, chain:N, dynamic, dynamic:N, auto, auto:N, or a tree JSON file, each optionally with +lookup[:N]";
 
@@ -139,7 +142,13 @@ impl Tree {
                     return Err(Error::InvalidTree(format!("'{path}' is neither a tree form nor a file; --tree takes {TREE_FORMS}")));
                 }
                 let text = crate::files::read_text(p, MAX_TREE_FILE_BYTES, "a tree file")?;
-                Self::from_json(&text).map_err(|e| Error::bad_file(p, e.to_string()))
+                let t = Self::from_json(&text).map_err(|e| Error::bad_file(p, e.to_string()))?;
+                // Checked here too (a drafter checks again), so the message names the file
+                // before a model is loaded.
+                if let Some(n) = t.nodes.iter().skip(1).find(|n| n.rank >= MAX_RANK) {
+                    return Err(Error::bad_file(p, format!("node {:?} uses rank {}, but drafts give at most their top {MAX_RANK}", n.path, n.rank)));
+                }
+                Ok(t)
             }
         }
     }
@@ -296,6 +305,16 @@ mod tests {
         assert_eq!(gpu.len(), 64);
         assert!(gpu.validate_for(4, 8).is_ok());
         assert!(gpu.depth() >= 3);
+        // A tree file's ranks are checked as it is read, the file named.
+        let dir = std::env::temp_dir().join(format!("selfspec-tree-rank-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("deep-rank.json");
+        std::fs::write(&f, format!("[[0],[{MAX_RANK}]]")).unwrap();
+        let e = Tree::parse_spec(f.to_str().unwrap()).unwrap_err().to_string();
+        assert!(e.contains("deep-rank.json") && e.contains(&format!("rank {MAX_RANK}")), "{e}");
+        std::fs::write(&f, format!("[[0],[{}]]", MAX_RANK - 1)).unwrap();
+        assert!(Tree::parse_spec(f.to_str().unwrap()).is_ok());
+        std::fs::remove_dir_all(&dir).ok();
     }
 }
 

@@ -48,6 +48,15 @@ pub fn bench(target: &mut Target, opts: &BenchOptions, each: &mut dyn FnMut(&For
     if opts.tokens.is_empty() || opts.tokens.contains(&0) {
         return Err(Error::InvalidArgument("--tokens needs positive counts".into()));
     }
+    if opts.reps == 0 {
+        return Err(Error::InvalidArgument("--reps must be at least 1".into()));
+    }
+    // Before any allocation: the cache holds the context and then each forward's rows.
+    let max_pos = target.model.config().max_position;
+    let most = opts.tokens.iter().max().copied().unwrap_or(0);
+    if opts.context.saturating_add(most) > max_pos {
+        return Err(Error::InvalidArgument(format!("--context {} plus --tokens {most} is past the model's context of {max_pos} tokens", opts.context)));
+    }
     let cpu = target.model.device().is_cpu();
     if opts.roofline && !cpu {
         return Err(Error::InvalidArgument("--roofline measures the CPU; on a GPU it would say nothing about the forward".into()));
@@ -60,7 +69,7 @@ pub fn bench(target: &mut Target, opts: &BenchOptions, each: &mut dyn FnMut(&For
         // and arithmetic move by a quarter from one minute to the next. The read bandwidth is
         // measured over this forward's own working set as well, which may fit in cache.
         let roof = opts.roofline.then(|| Roofline::measure_for(Roofline::working_set(&target.model, opts.context)));
-        let rows = bench_forward(&target.model, opts.context, &opts.tokens, opts.reps.max(1))?;
+        let rows = bench_forward(&target.model, opts.context, &opts.tokens, opts.reps)?;
         let r = FormatBench {
             weights: f.name(),
             weight_bytes: target.model.weight_bytes_per_forward(),
@@ -98,6 +107,18 @@ mod tests {
         assert!(r.iter().all(|f| f.rows.len() == 2 && f.rows[0].ratio == 1.0 && f.floor_ms.is_none()));
         opts.tokens = vec![0];
         assert!(bench(&mut t, &opts, &mut |_| {}).is_err());
+        // Sizes past the model's context, and no repetitions, are refused before any work (a
+        // huge --tokens used to abort on its allocation).
+        let past = cfg.max_position;
+        opts.tokens = vec![1, usize::MAX / 2];
+        let e = bench(&mut t, &opts, &mut |_| panic!("nothing may run")).unwrap_err().to_string();
+        assert!(e.contains("--context 8") && e.contains(&format!("context of {past} tokens")), "{e}");
+        opts.tokens = vec![1];
+        opts.context = past;
+        assert!(bench(&mut t, &opts, &mut |_| panic!("nothing may run")).unwrap_err().to_string().contains("--context"));
+        opts.context = 8;
+        opts.reps = 0;
+        assert!(bench(&mut t, &opts, &mut |_| panic!("nothing may run")).unwrap_err().to_string().contains("--reps"));
         std::fs::remove_dir_all(&dir).ok();
     }
 }

@@ -55,15 +55,28 @@ pub struct TuneOutcome {
 /// nodes cost more with fast weights).
 const CHECK_LOOKUPS: [Option<usize>; 3] = [None, Some(3), Some(6)];
 
-/// Measure, choose, write the tree file at `out` (atomically) and check it.
-pub fn tune(target: &Target, drafter: &Drafter, items: &[PromptItem], out: &Path, opts: &mut TuneOptions) -> Result<TuneOutcome> {
+/// Check [`TuneOptions`]' sizes (`--max-nodes`, `--max-tokens`, `--check-prompts`) without a
+/// model, so a command line can refuse them before loading one.
+pub fn check_sizes(max_nodes: usize, max_tokens: usize, check_prompts: usize) -> Result<()> {
     // The tuned tree is also checked with copied branches (CHECK_LOOKUPS): tree and branch
     // together must fit one step's MAX_TREE_NODES.
     let longest = CHECK_LOOKUPS.iter().flatten().max().copied().unwrap_or(0);
     let most = crate::draft::tree::MAX_TREE_NODES - longest;
-    if !(2..=most).contains(&opts.max_nodes) {
+    if !(2..=most).contains(&max_nodes) {
         return Err(Error::InvalidArgument(format!("--max-nodes must be from 2 to {most} (with a {longest}-token copied branch, one step verifies at most {} nodes)", crate::draft::tree::MAX_TREE_NODES)));
     }
+    if max_tokens == 0 {
+        return Err(Error::InvalidArgument("--max-tokens must be at least 1".into()));
+    }
+    if check_prompts == 0 {
+        return Err(Error::InvalidArgument("--check-prompts must be at least 1 (the chosen tree is measured on them)".into()));
+    }
+    Ok(())
+}
+
+/// Measure, choose, write the tree file at `out` (atomically) and check it.
+pub fn tune(target: &Target, drafter: &Drafter, items: &[PromptItem], out: &Path, opts: &mut TuneOptions) -> Result<TuneOutcome> {
+    check_sizes(opts.max_nodes, opts.max_tokens, opts.check_prompts)?;
     (opts.log)(format!("measuring {} accuracy on {} prompts...", drafter.kind(), items.len()));
     let acc = rank_accuracy(target, drafter, items, opts.max_tokens, 8)?;
     for (k, row) in acc.iter().enumerate() {
@@ -89,7 +102,7 @@ pub fn tune(target: &Target, drafter: &Drafter, items: &[PromptItem], out: &Path
     write(&doc)?;
     // The context lookup's worth depends on how often the text repeats itself and on what
     // extra nodes cost here, so it is measured, with and without, in the same run.
-    let check: Vec<_> = items.iter().take(opts.check_prompts.max(1)).cloned().collect();
+    let check: Vec<_> = items.iter().take(opts.check_prompts).cloned().collect();
     (opts.log)(format!("wrote {} ({} nodes); checking it with and without +lookup on {} prompts...", out.display(), best.len(), check.len()));
     let mut plans: Vec<(String, Plan)> = CHECK_LOOKUPS
         .iter()

@@ -196,6 +196,14 @@ impl Config {
         if let Some(s) = self.attn_scale.filter(|s| !(s.is_finite() && *s > 0.0)) {
             return Err(format!("attention scale {s} must be positive"));
         }
+        // A norm epsilon of zero or less (or NaN) divides by zero or worse; a rotary base of zero
+        // or less gives NaN angles: either makes every output garbage without an error.
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
+            return Err(format!("RMS norm epsilon {} must be a positive number", self.rms_norm_eps));
+        }
+        if let Some(t) = [Some(self.rope_theta), self.local_rope_theta].into_iter().flatten().find(|t| !(t.is_finite() && *t > 0.0)) {
+            return Err(format!("rotary base (rope theta) {t} must be a positive number"));
+        }
         // Positions travel as u32 and the KV cache grows up to the context: a context past
         // this is refused rather than trusted.
         if self.max_position > MAX_CONTEXT {

@@ -20,10 +20,17 @@ pub fn done_ids(out: &Path) -> Result<std::collections::HashSet<String>> {
     if !out.exists() {
         return Ok(s);
     }
-    let text = std::fs::read_to_string(out).map_err(|e| Error::io(out, e))?;
-    for line in text.lines() {
-        if let Ok(r) = serde_json::from_str::<DistillRecord>(line) {
-            s.insert(r.id);
+    let bytes = crate::files::read_data(out)?;
+    let text = String::from_utf8(bytes).map_err(|_| Error::bad_file(out, "not UTF-8 text, so not this command's output; choose another --out"))?;
+    // Every complete line must be one of our records: appending to some other file would
+    // leave a file that neither this command nor `train` can read.
+    let complete = if text.ends_with('\n') { text.len() } else { text.rfind('\n').map_or(0, |i| i + 1) };
+    for (n, line) in text[..complete].lines().enumerate() {
+        match serde_json::from_str::<DistillRecord>(line) {
+            Ok(r) => {
+                s.insert(r.id);
+            }
+            Err(e) => return Err(Error::bad_file(out, format!("line {}: not a distill record ({e}); it is some other file: choose another --out", n + 1))),
         }
     }
     Ok(s)

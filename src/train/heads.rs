@@ -130,14 +130,18 @@ impl Default for TrainConfig {
 impl TrainConfig {
     pub fn validate(&self) -> Result<()> {
         let bad = |m: &str| Err(Error::InvalidArgument(m.into()));
-        if self.num_heads == 0 || self.num_layers == 0 {
-            return bad("--num-heads and --layers must be at least 1");
+        use crate::draft::heads::{MAX_HEADS, MAX_HEAD_LAYERS};
+        if !(1..=MAX_HEADS).contains(&self.num_heads) || !(1..=MAX_HEAD_LAYERS).contains(&self.num_layers) {
+            return Err(Error::InvalidArgument(format!("--num-heads must be from 1 to {MAX_HEADS} and --layers from 1 to {MAX_HEAD_LAYERS} (what a drafter may have to load)")));
         }
         if self.seq_len < self.num_heads + 3 {
             return bad("--seq-len must exceed the number of heads by at least 3");
         }
-        if self.batch_tokens == 0 || self.epochs == 0 || !(self.lr > 0.0) {
-            return bad("--batch-tokens, --epochs and --lr must be positive");
+        if self.batch_tokens == 0 || self.epochs == 0 || !(self.lr > 0.0 && self.lr.is_finite()) {
+            return bad("--batch-tokens, --epochs and --lr must be positive (and --lr finite)");
+        }
+        if !(self.feature_weight >= 0.0 && self.feature_weight.is_finite()) {
+            return bad("--feature-weight must be a finite number, 0 or more");
         }
         if !(0.0..0.9).contains(&self.val_fraction) {
             return bad("--val-fraction must be in [0, 0.9)");
@@ -1135,6 +1139,26 @@ mod tests {
         assert!((chain - 5.0 / 3.0).abs() < 1e-12, "{chain}");
         assert!((tree - 4.0).abs() < 1e-12, "{tree}");
         assert_eq!(TauEstimate::default().both(), (0.0, 0.0));
+    }
+
+    /// Values a run would accept and then make nothing loadable with: infinite learning rates
+    /// (weights all NaN), more heads or layers than the loader takes, a NaN feature weight.
+    #[test]
+    fn configs_that_would_train_unloadable_or_nan_drafters_are_refused() {
+        let ok = TrainConfig::default();
+        assert!(ok.validate().is_ok());
+        for (bad, flag) in [
+            (TrainConfig { lr: f64::INFINITY, ..ok.clone() }, "--lr"),
+            (TrainConfig { lr: f64::NAN, ..ok.clone() }, "--lr"),
+            (TrainConfig { feature_weight: f64::NAN, ..ok.clone() }, "--feature-weight"),
+            (TrainConfig { feature_weight: -1.0, ..ok.clone() }, "--feature-weight"),
+            (TrainConfig { num_heads: crate::draft::heads::MAX_HEADS + 1, seq_len: 100, ..ok.clone() }, "--num-heads"),
+            (TrainConfig { num_layers: crate::draft::heads::MAX_HEAD_LAYERS + 1, ..ok.clone() }, "--layers"),
+        ] {
+            let e = bad.validate().unwrap_err().to_string();
+            assert!(e.contains(flag), "{flag}: {e}");
+        }
+        assert!(TrainConfig { num_heads: crate::draft::heads::MAX_HEADS, seq_len: 100, num_layers: crate::draft::heads::MAX_HEAD_LAYERS, ..ok }.validate().is_ok());
     }
 
     #[test]
