@@ -13,8 +13,8 @@ pub enum Error {
     /// A valid file describing something we do not support (an architecture, a tokenizer kind).
     #[error("{path}: unsupported: {msg}")]
     Unsupported { path: PathBuf, msg: String },
-    /// Heads whose fingerprint does not match the target model.
-    #[error("heads {heads} were trained for {heads_target}, but the model is {model_target}")]
+    /// A drafter (heads or a draft layer) whose fingerprint does not match the target model.
+    #[error("the drafter {heads} was trained for {heads_target}, but the model is {model_target}")]
     HeadsMismatch { heads: PathBuf, heads_target: String, model_target: String },
     #[error("invalid tree: {0}")]
     InvalidTree(String),

@@ -182,8 +182,8 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_going() {
         assert_eq!((s, v["error"]["code"].as_str()), (StatusCode::BAD_REQUEST, Some("context_length_exceeded")));
         // A body over the limit: 413 before it is parsed.
         let huge = json!({"model": "smollm2", "prompt": "x".repeat(100_000)});
-        let (s, _, _) = call(&app, "/v1/completions", huge, key).await;
-        assert_eq!(s, StatusCode::PAYLOAD_TOO_LARGE);
+        let (s, v, _) = call(&app, "/v1/completions", huge, key).await;
+        assert_eq!((s, v["error"]["code"].as_str()), (StatusCode::PAYLOAD_TOO_LARGE, Some("request_too_large")), "{v}");
         // A stop string ends the answer before it, with finish_reason "stop".
         let (s, v, _) = call(&app, "/v1/completions", json!({"model": "smollm2", "prompt": "1, 2, 3, 4,", "temperature": 0, "max_tokens": 30, "stop": [" 7"]}), key).await;
         assert_eq!(s, StatusCode::OK, "{v}");

@@ -63,7 +63,18 @@ pub fn router(state: Arc<AppState>, body_limit: usize) -> Router {
         .merge(api)
         .fallback(|| async { ApiError { status: 404, message: "no such endpoint".into(), kind: "invalid_request_error", param: None, code: Some("not_found") } })
         .layer(tower_http::limit::RequestBodyLimitLayer::new(body_limit))
+        .layer(axum::middleware::map_response(json_payload_too_large))
         .with_state(state)
+}
+
+/// The body limit's 413 (plain text from tower-http, or from the JSON extractor when a streamed
+/// body passes the limit) as the same JSON error object every other refusal is.
+async fn json_payload_too_large(res: Response) -> Response {
+    let is_json = res.headers().get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|v| v.starts_with("application/json"));
+    if res.status() != StatusCode::PAYLOAD_TOO_LARGE || is_json {
+        return res;
+    }
+    ApiError { status: 413, message: "the request body is larger than this server accepts (--max-body)".into(), kind: "invalid_request_error", param: None, code: Some("request_too_large") }.into_response()
 }
 
 async fn auth(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Response {
