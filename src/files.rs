@@ -147,6 +147,32 @@ pub fn read_data(path: &std::path::Path) -> Result<Vec<u8>> {
     }
 }
 
+/// A drafter's (safetensors) weights file read whole, each float tensor checked finite ([`check_finite`]).
+pub fn load_weights(path: &std::path::Path) -> Result<std::collections::HashMap<String, candle_core::Tensor>> {
+    let ts = candle_core::safetensors::load(path, &candle_core::Device::Cpu).map_err(|e| Error::bad_file(path, format!("not a readable safetensors file: {e}")))?;
+    check_finite(&ts, path)?;
+    Ok(ts)
+}
+
+/// Refuse weights holding NaN or an infinity, naming the tensor. Why: a training run with an
+/// infinite learning rate wrote a drafter whose weights were all NaN, and it loaded and drafted
+/// nothing, without a word (verification kept the output right, so nothing else showed it).
+pub fn check_finite(ts: &std::collections::HashMap<String, candle_core::Tensor>, path: &std::path::Path) -> Result<()> {
+    let mut names: Vec<&String> = ts.keys().collect();
+    names.sort();
+    for name in names {
+        let t = &ts[name];
+        if !t.dtype().is_float() {
+            continue;
+        }
+        let v = t.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        if let Some(x) = v.iter().find(|x| !x.is_finite()) {
+            return Err(Error::bad_file(path, format!("tensor {name} holds {x}: not usable weights (from a training run that diverged?)")));
+        }
+    }
+    Ok(())
+}
+
 /// Write tensors as a safetensors file atomically (sibling temporary file, then rename), with an
 /// optional header entry. Written through [`write_atomic`], so the file gets the usual
 /// umask-respecting mode (0644 under the common umask; candle's writer made weight files 0600
@@ -281,6 +307,27 @@ mod tests {
             assert!(read_text(zero, 1 << 20, "a tree file").is_err());
         }
         assert!(read_bounded(&dir, 100, "test").unwrap_err().to_string().contains("directory"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Weights with a NaN or an infinity are refused, the tensor named; finite ones load.
+    #[test]
+    fn drafter_weights_must_be_finite() {
+        let dir = std::env::temp_dir().join(format!("selfspec-finite-{}", std::process::id()));
+        let p = dir.join("w.safetensors");
+        let dev = candle_core::Device::Cpu;
+        let good = candle_core::Tensor::new(&[1.0f32, -2.0], &dev).unwrap();
+        let ids = candle_core::Tensor::new(&[7u32, 9], &dev).unwrap();
+        let ts = std::collections::HashMap::from([("a".to_string(), good.clone()), ("ids".to_string(), ids)]);
+        save_safetensors(&ts, None, &p).unwrap();
+        assert_eq!(load_weights(&p).unwrap().len(), 2);
+        for bad in [f32::NAN, f32::INFINITY] {
+            let t = candle_core::Tensor::new(&[1.0f32, bad], &dev).unwrap().to_dtype(candle_core::DType::F16).unwrap();
+            let ts = std::collections::HashMap::from([("a".to_string(), good.clone()), ("b.weight".to_string(), t)]);
+            save_safetensors(&ts, None, &p).unwrap();
+            let e = load_weights(&p).unwrap_err().to_string();
+            assert!(e.contains("w.safetensors") && e.contains("b.weight"), "{e}");
+        }
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -264,7 +264,11 @@ pub fn import(dir: &Path, target: &Target) -> Result<DraftLayer> {
             Some(want) => return Err(wbad(format!("{name} is {shape:?}; the config says {want:?}"))),
             None => return Err(Error::unsupported(&w_path, format!("tensor {name}: not part of the EAGLE-3 layer computed here (biases, extra norms and other variants are not supported)"))),
         }
-        let t = Tensor::from_vec(to_f32(data)?, shape.as_slice(), &Device::Cpu).map_err(|e| wbad(format!("{name}: {e}")))?;
+        let v = to_f32(data)?;
+        if let Some(x) = v.iter().find(|x| !x.is_finite()) {
+            return Err(wbad(format!("tensor {name} holds {x}: not usable weights (from a training run that diverged?)")));
+        }
+        let t = Tensor::from_vec(v, shape.as_slice(), &Device::Cpu).map_err(|e| wbad(format!("{name}: {e}")))?;
         ts.insert(ours, t);
     }
     let ids: Vec<u32> = match d2t {

@@ -378,7 +378,7 @@ impl Heads {
                 format!("hidden {} / vocabulary {} / draft vocabulary {:?} do not fit the model's hidden {} and vocabulary {}", cfg.hidden_size, cfg.vocab_size, cfg.draft_vocab_size, mc.hidden_size, mc.vocab_size),
             ));
         }
-        let ts = candle_core::safetensors::load(&w_path, &Device::Cpu).map_err(|e| Error::bad_file(&w_path, format!("not a readable safetensors file: {e}")))?;
+        let ts = crate::files::load_weights(&w_path)?;
         let vb = VarBuilder::from_tensors(ts, DType::F32, target.model.device());
         let mut heads = Self::load(vb, &cfg).map_err(|e| Error::bad_file(&w_path, e.to_string()))?;
         heads.bind_draft_vocab(&target.model).map_err(|e| Error::bad_file(&w_path, e.to_string()))?;
@@ -480,7 +480,7 @@ impl Heads {
             return Err(Error::bad_file(&cfg_path, format!("truncated_vocab_size {truncated} for a vocabulary of {}", mcfg.vocab_size)));
         }
         let bias = c["medusa_fc_bias"].as_bool().unwrap_or(false);
-        let ts = candle_core::safetensors::load(&w_path, &Device::Cpu).map_err(|e| Error::bad_file(&w_path, format!("not a readable safetensors file: {e}")))?;
+        let ts = crate::files::load_weights(&w_path)?;
         let tensor = |name: &str| ts.get(name).ok_or_else(|| Error::bad_file(&w_path, format!("missing tensor {name}")));
         let ids: Option<Vec<u32>> = if truncated < mcfg.vocab_size {
             let t = tensor("token_map")?;
@@ -556,7 +556,7 @@ impl Heads {
         if k_heads == 0 || layers > MAX_HEAD_LAYERS || k_heads > MAX_HEADS {
             return Err(Error::bad_file(&cfg_path, format!("{k_heads} heads of {layers} layers: expected 1 to {MAX_HEADS} heads of at most {MAX_HEAD_LAYERS} layers")));
         }
-        let ts = candle_core::safetensors::load(&w_path, &Device::Cpu).map_err(|e| Error::bad_file(&w_path, format!("not a readable safetensors file: {e}")))?;
+        let ts = crate::files::load_weights(&w_path)?;
         let lm = target.model.lm_head_weight()?.to_device(&Device::Cpu)?;
         let mut own = false;
         let mut renamed = HashMap::new();

@@ -340,6 +340,7 @@ impl DraftLayer {
         }
         let ts = candle_core::safetensors::load(&w_path, &Device::Cpu).map_err(|e| Error::bad_file(&w_path, format!("not a readable safetensors file: {e}")))?;
         let mut ts = dequantize_stored(ts).map_err(|e| Error::bad_file(&w_path, e))?;
+        crate::files::check_finite(&ts, &w_path)?;
         let ids = ts.remove("draft_vocab").ok_or_else(|| Error::bad_file(&w_path, "no draft_vocab tensor"))?;
         let ids: Vec<u32> = ids.to_dtype(DType::F32)?.to_vec1::<f32>()?.into_iter().map(|x| x as u32).collect();
         let mut layer = Self::from_tensors(ts, ids, cfg, &target.model).map_err(|e| Error::bad_file(&w_path, e.to_string()))?;
