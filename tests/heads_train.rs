@@ -146,6 +146,11 @@ fn resumed_run_matches_uninterrupted_run() {
     assert_eq!(weights(&full, &scratch("w-full")), weights(&resumed, &scratch("w-resumed")), "resumed weights differ");
     // The checkpoint is one file: its step and settings travel in the safetensors header.
     assert!(part_dir.join("checkpoint.safetensors").exists() && !part_dir.join("checkpoint.json").exists());
+    // --resume with nothing to resume starts afresh, and says so.
+    let mut lines = Vec::new();
+    let cfg = TrainConfig { max_steps: 1, ..quick_cfg() };
+    train(&t, &corpus(), &cfg, &scratch("train-resume-none"), true, None, &mut |_, _, _, _, _| {}, &mut |l| lines.push(l)).unwrap();
+    assert!(lines.iter().any(|l| l.contains("no checkpoint") && l.contains("step 0")), "{lines:?}");
 }
 
 /// `--resume` on other data is refused: the checkpoint records the documents' fingerprint.

@@ -837,9 +837,11 @@ pub(crate) fn warm_start(varmap: &VarMap, from: &HashMap<String, Tensor>, source
 pub(crate) fn resume_from(out: &Path, cfg: &TrainConfig, data: &str, opt: &mut AdamW, device: &candle_core::Device, total_steps: usize, log: &mut dyn FnMut(String)) -> Result<Vec<f64>> {
     let tp = out.join(CKPT_TENSORS);
     if !tp.exists() {
+        // Said, since it may not be what was meant (a recipe passes --resume on every run).
+        log(format!("no checkpoint in {}: --resume starts from step 0", out.display()));
         return Ok(Vec::new());
     }
-    let bytes = std::fs::read(&tp).map_err(|e| Error::io(&tp, e))?;
+    let bytes = crate::files::read_data(&tp)?;
     let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| Error::bad_file(&tp, format!("invalid checkpoint: {e}")))?;
     let (meta_path, text) = match header.metadata().as_ref().and_then(|m| m.get(CKPT_META_KEY)) {
         Some(t) => (tp.clone(), t.clone()),
