@@ -37,12 +37,7 @@ pub fn cache_dir() -> Option<PathBuf> {
 /// The cache entry `kind/key` under `dir`, when present and at most `max` bytes. A cache is an
 /// optimisation: anything unreadable is a miss, and every reader checks what it gets.
 pub fn cache_read(dir: &std::path::Path, kind: &str, key: &str, max: u64) -> Option<Vec<u8>> {
-    let path = dir.join(kind).join(key);
-    let len = std::fs::metadata(&path).ok()?.len();
-    if len > max {
-        return None;
-    }
-    std::fs::read(&path).ok()
+    read_bounded(&dir.join(kind).join(key), max, "a cache entry").ok()
 }
 
 /// Store the cache entry `kind/key` under `dir` atomically. Failures are ignored (a read-only
