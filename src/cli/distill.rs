@@ -1,9 +1,10 @@
-//! `selfspec distill`: the target answers a prompts file; one JSONL record per answer.
+//! `selfspec distill`: the target answers a prompts file, one JSONL record per answer; or, with
+//! `--self-prompts N`, writes N user prompts itself, a prompts file for a later `distill`.
 use std::path::PathBuf;
 
 use anyhow::{bail, Result};
 use clap::Args;
-use selfspec::train::distill::distill_file;
+use selfspec::train::distill::{distill_file, write_prompts_file};
 
 use crate::cli::args::{progress, ModelArgs, SamplingArgs};
 
@@ -12,9 +13,16 @@ pub struct DistillArgs {
     #[command(flatten)]
     model: ModelArgs,
     /// One prompt per line, or JSONL with "prompt" or "turns".
-    #[arg(long)]
-    prompts: PathBuf,
-    /// JSONL answers, appended as each is done (a killed run resumes).
+    #[arg(long, required_unless_present = "self_prompts")]
+    prompts: Option<PathBuf>,
+    /// Instead of answering --prompts, the target writes this many user prompts itself:
+    /// sampled (with the sampling flags; e.g. --temperature 1) after its chat template's
+    /// opening of a user turn, until it ends the turn (Magpie's method). --out gets a prompts
+    /// file ("finished": false marks a prompt cut at --max-tokens; --prompts skips those) for
+    /// a later distill to answer.
+    #[arg(long, conflicts_with = "prompts", value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    self_prompts: Option<u32>,
+    /// JSONL answers (or prompts), appended as each is done (a killed run resumes).
     #[arg(long)]
     out: PathBuf,
     #[arg(long, default_value_t = 256)]
@@ -35,7 +43,10 @@ pub fn run(a: DistillArgs) -> Result<()> {
     if a.batch == 0 {
         bail!("--batch must be at least 1");
     }
-    let items = selfspec::data::read_prompts(&a.prompts)?;
+    if let Some(n) = a.self_prompts {
+        return self_prompts(&a, n as usize, &params);
+    }
+    let items = selfspec::data::read_prompts(a.prompts.as_ref().expect("clap requires --prompts"))?;
     selfspec::files::check_writable(&a.out)?;
     // An existing --out must be this command's own output (resumed), checked before the load.
     selfspec::train::distill::done_ids(&a.out)?;
@@ -54,5 +65,29 @@ pub fn run(a: DistillArgs) -> Result<()> {
     bar.finish_and_clear();
     let secs = t0.elapsed().as_secs_f64();
     eprintln!("distill: {} answered now, {} already done, {} tokens in {secs:.0}s ({:.1} tok/s) -> {}", s.answered, s.already_done, s.tokens, s.tokens as f64 / secs.max(1e-9), a.out.display());
+    Ok(())
+}
+
+fn self_prompts(a: &DistillArgs, n: usize, params: &selfspec::decode::sampling::SamplingParams) -> Result<()> {
+    selfspec::files::check_writable(&a.out)?;
+    selfspec::train::distill::self_prompt_ids(&a.out)?;
+    let target = a.model.load()?;
+    let bar = progress(n as u64, "prompts");
+    let t0 = std::time::Instant::now();
+    let mut finished = 0usize;
+    let s = write_prompts_file(&target, n, &a.out, params, a.max_tokens, a.sampling.seed, a.batch, &mut |p| {
+        finished += p.finished as usize;
+        bar.inc(1);
+    })?;
+    bar.finish_and_clear();
+    let secs = t0.elapsed().as_secs_f64();
+    eprintln!(
+        "distill --self-prompts: {} written now ({finished} finished, the rest cut at --max-tokens or empty), {} already done, {} tokens in {secs:.0}s ({:.1} tok/s) -> {}",
+        s.answered,
+        s.already_done,
+        s.tokens,
+        s.tokens as f64 / secs.max(1e-9),
+        a.out.display()
+    );
     Ok(())
 }

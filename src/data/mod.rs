@@ -17,7 +17,9 @@ pub struct PromptItem {
 }
 
 /// Read a prompt file: one prompt per line, or JSONL with `"prompt"` or `"turns"` (MT-Bench /
-/// Spec-Bench style, with optional `"question_id"` and `"category"`).
+/// Spec-Bench style, with optional `"question_id"` and `"category"`). Records with
+/// `"finished": false` (prompts the model did not finish, from `distill --self-prompts`) are
+/// skipped.
 pub fn read_prompts(path: &Path) -> Result<Vec<PromptItem>> {
     let bytes = crate::files::read_data(path)?;
     let text = String::from_utf8(bytes).map_err(|_| Error::bad_file(path, "not UTF-8 text"))?;
@@ -29,6 +31,10 @@ pub fn read_prompts(path: &Path) -> Result<Vec<PromptItem>> {
         }
         if line.starts_with('{') {
             let v: serde_json::Value = serde_json::from_str(line).map_err(|e| Error::bad_file(path, format!("line {}: invalid JSON: {e}", i + 1)))?;
+            // A prompt `distill --self-prompts` wrote but the model did not finish.
+            if v.get("finished").and_then(|f| f.as_bool()) == Some(false) {
+                continue;
+            }
             let turns: Vec<String> = if let Some(p) = v.get("prompt").and_then(|p| p.as_str()) {
                 vec![p.to_string()]
             } else if let Some(t) = v.get("turns").and_then(|t| t.as_array()) {
@@ -177,6 +183,10 @@ mod tests {
         assert_eq!(items[2].turns, vec!["a", "b"]);
         assert_eq!(items[2].category, "math");
         assert_eq!(items[2].id, "7");
+        // Prompts the model did not finish (distill --self-prompts) are skipped.
+        std::fs::write(&p, "{\"question_id\": \"self-0\", \"prompt\": \"cut\", \"finished\": false}\n{\"question_id\": \"self-1\", \"prompt\": \"whole\", \"finished\": true}\n").unwrap();
+        let items = read_prompts(&p).unwrap();
+        assert_eq!((items.len(), items[0].id.as_str(), items[0].turns[0].as_str()), (1, "self-1", "whole"));
         std::fs::write(&p, "\n\n").unwrap();
         assert!(read_prompts(&p).is_err());
         let bad = d.join("bad.txt");

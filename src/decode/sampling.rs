@@ -106,28 +106,16 @@ impl SamplingParams {
         let t = self.temperature as f64;
         let max = l.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
         exp_scaled(&l, max, t, &mut p);
-        let needs_sort = self.top_k > 0 || self.top_p < 1.0;
-        if needs_sort {
-            let mut order: Vec<usize> = (0..p.len()).collect();
-            // Stable on ties: lower index first, as everywhere else.
-            order.sort_by(|&a, &b| p[b].partial_cmp(&p[a]).unwrap_or(std::cmp::Ordering::Equal).then(a.cmp(&b)));
-            let mut keep = order.len();
-            if self.top_k > 0 {
-                keep = keep.min(self.top_k);
+        if self.top_k > 0 || self.top_p < 1.0 {
+            let keep = nucleus(&p, self.top_k, self.top_p as f64);
+            let mut kept = vec![false; p.len()];
+            for &i in &keep {
+                kept[i] = true;
             }
-            if self.top_p < 1.0 {
-                let total: f64 = p.iter().sum();
-                let mut cum = 0.0;
-                for (i, &idx) in order.iter().enumerate().take(keep) {
-                    cum += p[idx] / total;
-                    if cum >= self.top_p as f64 {
-                        keep = i + 1;
-                        break;
-                    }
+            for (pi, k) in p.iter_mut().zip(kept) {
+                if !k {
+                    *pi = 0.0;
                 }
-            }
-            for &idx in &order[keep..] {
-                p[idx] = 0.0;
             }
         }
         if self.min_p > 0.0 {
@@ -154,6 +142,46 @@ impl SamplingParams {
             return crate::cpu::reduce::argmax(&self.penalised(logits, history));
         }
         sample_from(&self.distribution(logits, history), rng)
+    }
+}
+
+/// The tokens top-k and top-p keep: the longest prefix, in the order of descending probability
+/// (lower index first on ties), of at most `top_k` tokens (0: no limit) that stops at the first
+/// token where the cumulative share reaches `top_p`. The same set a full sort gives, from a
+/// partial one: the best 64, then 128, ... are selected and sorted until the share is reached,
+/// with the shares summed in the same order (same bits). A full sort of SmolLM2's 49,152
+/// entries took most of a sampled token's time outside the forward (writing prompts with
+/// `--top-p 0.95` ran at 110 tok/s against 280 without it; measured on the Xeon).
+fn nucleus(p: &[f64], top_k: usize, top_p: f64) -> Vec<usize> {
+    let n = p.len();
+    let limit = if top_k > 0 { top_k.min(n) } else { n };
+    let cmp = |a: &usize, b: &usize| p[*b].partial_cmp(&p[*a]).unwrap_or(std::cmp::Ordering::Equal).then(a.cmp(b));
+    let total: f64 = if top_p < 1.0 { p.iter().sum() } else { 0.0 };
+    let mut order: Vec<usize> = (0..n).collect();
+    let mut m = if top_p < 1.0 { 64.min(limit) } else { limit };
+    loop {
+        if m == 0 {
+            return Vec::new();
+        }
+        if m < n {
+            order.select_nth_unstable_by(m - 1, cmp);
+        }
+        order[..m].sort_unstable_by(cmp);
+        if top_p < 1.0 {
+            let mut cum = 0.0;
+            for (i, &idx) in order[..m].iter().enumerate() {
+                cum += p[idx] / total;
+                if cum >= top_p {
+                    order.truncate(i + 1);
+                    return order;
+                }
+            }
+        }
+        if m == limit {
+            order.truncate(m);
+            return order;
+        }
+        m = (m * 2).min(limit);
     }
 }
 
@@ -246,6 +274,44 @@ pub fn sample_from(p: &[f64], rng: &mut Rng64) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The partial selection keeps exactly the set a full sort keeps, ties and all.
+    #[test]
+    fn nucleus_matches_a_full_sort() {
+        let full = |p: &[f64], top_k: usize, top_p: f64| -> Vec<usize> {
+            let mut order: Vec<usize> = (0..p.len()).collect();
+            order.sort_by(|&a, &b| p[b].partial_cmp(&p[a]).unwrap().then(a.cmp(&b)));
+            let mut keep = if top_k > 0 { top_k.min(p.len()) } else { p.len() };
+            if top_p < 1.0 {
+                let total: f64 = p.iter().sum();
+                let mut cum = 0.0;
+                for (i, &idx) in order.iter().enumerate().take(keep) {
+                    cum += p[idx] / total;
+                    if cum >= top_p {
+                        keep = i + 1;
+                        break;
+                    }
+                }
+            }
+            order.truncate(keep);
+            order
+        };
+        let mut r = rng(5);
+        for case in 0..60 {
+            let n = [1, 3, 70, 500, 5000][case % 5];
+            // Peaked, flat and tied distributions.
+            let p: Vec<f64> = (0..n)
+                .map(|i| match case % 3 {
+                    0 => (-(r.random::<f64>() * 12.0)).exp(),
+                    1 => 1.0 + r.random::<f64>() * 1e-3,
+                    _ => ((i % 7) as f64 + 1.0) / 7.0,
+                })
+                .collect();
+            for (k, tp) in [(0, 0.5), (0, 0.95), (0, 0.999), (10, 1.0), (100, 0.9), (3, 0.2), (0, 0.0)] {
+                assert_eq!(nucleus(&p, k, tp), full(&p, k, tp), "case {case}, n {n}, top_k {k}, top_p {tp}");
+            }
+        }
+    }
 
     #[test]
     fn penalties_must_be_finite_and_in_range() {

@@ -78,6 +78,19 @@ impl Target {
         self.template()?.render(messages, true, &self.tokenizer.bos_token, &self.tokenizer.eos_token)
     }
 
+    /// Token ids of the chat template's opening of a first user turn (system prompt and user
+    /// header, as the template renders them), after which the model writes a user's message
+    /// itself: the prefix `distill --self-prompts` samples prompts from (Magpie's method). Cut
+    /// from a rendering around a placeholder message, so it is right for any template that
+    /// puts the message's text in verbatim.
+    pub fn user_turn_prefix_ids(&self) -> Result<Vec<u32>> {
+        const MARK: &str = "\u{1}selfspec-user-turn\u{1}";
+        let t = self.template()?;
+        let text = t.render(&[crate::model::tokenizer::Message { role: "user".into(), content: MARK.into() }], false, &self.tokenizer.bos_token, &self.tokenizer.eos_token)?;
+        let at = text.find(MARK).ok_or_else(|| Error::bad_file(&self.path, "the chat template does not put a user's message into its text verbatim, so the opening of a user turn cannot be cut from it"))?;
+        self.tokenizer.encode(&text[..at], false)
+    }
+
     /// Token ids for a conversation whose last turn the model answers next (eval, tune and
     /// distill prompts): through the chat template, or, for a model without one (a base model),
     /// the turns as plain text joined by newlines, as a raw prompt. A template that is there but

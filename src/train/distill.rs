@@ -17,15 +17,9 @@ use crate::{Error, Result};
 /// Ids already answered in `out` (resume support). A torn last line is ignored.
 pub fn done_ids(out: &Path) -> Result<std::collections::HashSet<String>> {
     let mut s = std::collections::HashSet::new();
-    if !out.exists() {
-        return Ok(s);
-    }
-    let bytes = crate::files::read_data(out)?;
-    let text = String::from_utf8(bytes).map_err(|_| Error::bad_file(out, "not UTF-8 text, so not this command's output; choose another --out"))?;
     // Every complete line must be one of our records: appending to some other file would
     // leave a file that neither this command nor `train` can read.
-    let complete = if text.ends_with('\n') { text.len() } else { text.rfind('\n').map_or(0, |i| i + 1) };
-    for (n, line) in text[..complete].lines().enumerate() {
+    for (n, line) in complete_lines(out)?.lines().enumerate() {
         match serde_json::from_str::<DistillRecord>(line) {
             Ok(r) => {
                 s.insert(r.id);
@@ -34,6 +28,18 @@ pub fn done_ids(out: &Path) -> Result<std::collections::HashSet<String>> {
         }
     }
     Ok(s)
+}
+
+/// The complete lines of an append-only JSONL output (empty if there is none yet); a torn last
+/// line, left by a killed run, is not among them.
+fn complete_lines(out: &Path) -> Result<String> {
+    if !out.exists() {
+        return Ok(String::new());
+    }
+    let bytes = crate::files::read_data(out)?;
+    let mut text = String::from_utf8(bytes).map_err(|_| Error::bad_file(out, "not UTF-8 text, so not this command's output; choose another --out"))?;
+    text.truncate(text.rfind('\n').map_or(0, |i| i + 1));
+    Ok(text)
 }
 
 /// What a [`distill_file`] run did.
@@ -192,20 +198,152 @@ pub fn answer_batch(
             continue;
         }
         // Every conversation still going feeds the token it just chose.
-        let toks: Vec<[u32; 1]> = slots.iter().map(|s| [*s.out.last().expect("chose this pass")]).collect();
-        let pos: Vec<[usize; 1]> = slots.iter().map(|s| [s.cache.len()]).collect();
-        let mask = TreeMask::causal(1);
-        let mut entries: Vec<BatchEntry> = slots
-            .iter_mut()
-            .zip(toks.iter().zip(&pos))
-            .map(|(s, (t, p))| BatchEntry { tokens: t, positions: p, mask: &mask, cache: &mut s.cache })
-            .collect();
-        let hidden = model.forward_batch(&mut entries)?;
-        let logits = rows_to_vec(&model.logits(&hidden)?)?;
+        let logits = step_batch(target, slots.iter_mut().map(|s| (*s.out.last().expect("chose this pass"), &mut s.cache)))?;
         for (s, row) in slots.iter_mut().zip(logits) {
             s.logits = row;
         }
     }
+}
+
+/// One batched decoding step: each sequence feeds one token at its cache's end, all in one
+/// [`crate::model::Llama::forward_batch`] (each weight read once for all rows; every row's bits
+/// the same as alone); returns each sequence's logits for its next token.
+fn step_batch<'c>(target: &Target, seqs: impl Iterator<Item = (u32, &'c mut KvCache)>) -> Result<Vec<Vec<f32>>> {
+    let model = &target.model;
+    let (toks, caches): (Vec<[u32; 1]>, Vec<&mut KvCache>) = seqs.map(|(t, c)| ([t], c)).unzip();
+    let pos: Vec<[usize; 1]> = caches.iter().map(|c| [c.len()]).collect();
+    let mask = TreeMask::causal(1);
+    let mut entries: Vec<BatchEntry> = caches
+        .into_iter()
+        .zip(toks.iter().zip(&pos))
+        .map(|(cache, (t, p))| BatchEntry { tokens: t, positions: p, mask: &mask, cache })
+        .collect();
+    let hidden = model.forward_batch(&mut entries)?;
+    rows_to_vec(&model.logits(&hidden)?)
+}
+
+/// One user prompt the target wrote for itself ([`write_prompts`]); a line of the prompts file
+/// `distill --self-prompts` writes, which `distill --prompts` then answers.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct SelfPrompt {
+    /// `self-<n>`: prompt n was sampled with seed `seed + n`.
+    pub question_id: String,
+    pub category: String,
+    pub prompt: String,
+    /// The model ended the turn itself with text in it; `false`: cut at the token budget, or
+    /// empty. [`crate::data::read_prompts`] skips unfinished prompts.
+    pub finished: bool,
+    /// Tokens sampled for it.
+    pub tokens: usize,
+}
+
+/// The target writes user prompts itself (Magpie's method: sampled after the chat template's
+/// opening of a user turn, the system prompt included, until the model ends the turn): prompts
+/// from its own idea of what users ask, as varied as its sampling, written by no person and
+/// drawn from no benchmark. Prompt n (each of `indices`) samples with seed `seed + n`, so its
+/// text depends on n alone, not on the batch or on which others are written in the same run;
+/// up to `batch` are sampled side by side, one token each per forward. `on_done` gets each as
+/// soon as it ends (in completion order).
+#[allow(clippy::too_many_arguments)]
+pub fn write_prompts(
+    target: &Target,
+    indices: &[usize],
+    params: &SamplingParams,
+    max_tokens: usize,
+    seed: u64,
+    batch: usize,
+    on_done: &mut dyn FnMut(SelfPrompt) -> Result<()>,
+) -> Result<()> {
+    params.validate()?;
+    if batch == 0 {
+        return Err(Error::InvalidArgument("the batch size must be at least 1".into()));
+    }
+    let prefix = target.user_turn_prefix_ids()?;
+    let budget = check_budget(prefix.len(), max_tokens, target.model.config().max_position)?;
+    struct Writer {
+        n: usize,
+        rng: Rng64,
+        cache: KvCache,
+        history: Vec<u32>,
+        out: Vec<u32>,
+        logits: Vec<f32>,
+    }
+    let mut queue = indices.iter();
+    let mut slots: Vec<Writer> = Vec::with_capacity(batch);
+    loop {
+        while slots.len() < batch {
+            let Some(&n) = queue.next() else { break };
+            let (cache, logits, _) = prefill(&target.model, &prefix)?;
+            slots.push(Writer { n, rng: rng(seed.wrapping_add(n as u64)), cache, history: prefix.clone(), out: Vec::new(), logits });
+        }
+        if slots.is_empty() {
+            return Ok(());
+        }
+        let mut i = 0;
+        while i < slots.len() {
+            let s = &mut slots[i];
+            let tok = params.choose(&s.logits, &s.history, &mut s.rng);
+            s.out.push(tok);
+            s.history.push(tok);
+            let ended = target.tokenizer.is_eos(tok);
+            if !ended && s.out.len() < budget {
+                i += 1;
+                continue;
+            }
+            let s = slots.swap_remove(i);
+            let text = if ended { target.tokenizer.decode(&s.out[..s.out.len() - 1])? } else { target.tokenizer.decode(&s.out)? };
+            let prompt = text.trim().to_string();
+            let finished = ended && !prompt.is_empty();
+            on_done(SelfPrompt { question_id: format!("self-{}", s.n), category: "self".into(), prompt, finished, tokens: s.out.len() })?;
+        }
+        if !slots.is_empty() {
+            let logits = step_batch(target, slots.iter_mut().map(|s| (*s.out.last().expect("chose this pass"), &mut s.cache)))?;
+            for (s, row) in slots.iter_mut().zip(logits) {
+                s.logits = row;
+            }
+        }
+    }
+}
+
+/// [`write_prompts`] into a prompts file: prompts `0..count` not yet in `out` are written, each
+/// appended as one JSON line as soon as it ends (a killed run resumes, and writes the same
+/// prompts an uninterrupted one would). An existing `out` must be this command's own output.
+#[allow(clippy::too_many_arguments)]
+pub fn write_prompts_file(
+    target: &Target,
+    count: usize,
+    out: &Path,
+    params: &SamplingParams,
+    max_tokens: usize,
+    seed: u64,
+    batch: usize,
+    on_prompt: &mut dyn FnMut(&SelfPrompt),
+) -> Result<DistillSummary> {
+    let done = self_prompt_ids(out)?;
+    let todo: Vec<usize> = (0..count).filter(|n| !done.contains(&format!("self-{n}"))).collect();
+    let mut summary = DistillSummary { answered: todo.len(), already_done: count - todo.len(), tokens: 0 };
+    write_prompts(target, &todo, params, max_tokens, seed, batch, &mut |p| {
+        summary.tokens += p.tokens;
+        append_line(out, &serde_json::to_string(&p).expect("prompt serialises"))?;
+        on_prompt(&p);
+        Ok(())
+    })?;
+    Ok(summary)
+}
+
+/// Ids already written to a [`write_prompts_file`] output (a torn last line is ignored); any
+/// other file is refused, not appended to.
+pub fn self_prompt_ids(out: &Path) -> Result<std::collections::HashSet<String>> {
+    let mut s = std::collections::HashSet::new();
+    for (n, line) in complete_lines(out)?.lines().enumerate() {
+        match serde_json::from_str::<SelfPrompt>(line) {
+            Ok(p) => {
+                s.insert(p.question_id);
+            }
+            Err(e) => return Err(Error::bad_file(out, format!("line {}: not a prompt written by --self-prompts ({e}); it is some other file: choose another --out", n + 1))),
+        }
+    }
+    Ok(s)
 }
 
 fn ends_with_newline(path: &Path) -> Result<bool> {
@@ -222,6 +360,11 @@ fn ends_with_newline(path: &Path) -> Result<bool> {
 
 /// Append one record as a single line and flush, so a kill loses at most the answer in flight.
 pub fn append_record(out: &Path, rec: &DistillRecord) -> Result<()> {
+    append_line(out, &serde_json::to_string(rec).expect("record serialises"))
+}
+
+/// Append one JSON line and flush it to the disk (after cutting a torn last line).
+fn append_line(out: &Path, json: &str) -> Result<()> {
     if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     }
@@ -235,7 +378,7 @@ pub fn append_record(out: &Path, rec: &DistillRecord) -> Result<()> {
         }
     }
     let mut f = std::fs::OpenOptions::new().create(true).append(true).open(out).map_err(|e| Error::io(out, e))?;
-    let mut line = serde_json::to_string(rec).expect("record serialises");
+    let mut line = json.to_string();
     line.push('\n');
     f.write_all(line.as_bytes()).map_err(|e| Error::io(out, e))?;
     f.sync_data().map_err(|e| Error::io(out, e))
