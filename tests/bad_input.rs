@@ -110,6 +110,9 @@ fn every_subcommand_refuses_bad_input_cleanly() {
         (args(&["train", "--model", &m, "--data", &s(&dir.join("nope.txt")), "--out", &s(&dir.join("o8"))]), &["--data", "nope.txt"]),
         (args(&["distill", "--model", &m, "--prompts", &prompts, "--out", &s(&dir.join("d3.jsonl")), "--batch", "0"]), &["--batch"]),
         (args(&["distill", "--model", &m, "--prompts", &prompts, "--out", &s(&write("not-distill.jsonl", b"garbage\n{\"x\":1}\n"))]), &["not-distill.jsonl", "line 1"]),
+        (args(&["distill", "--model", &m, "--self-prompts", "0", "--out", &s(&dir.join("d4.jsonl"))]), &["--self-prompts", "0"]),
+        (args(&["distill", "--model", &m, "--self-prompts", "3", "--prompts", &prompts, "--out", &s(&dir.join("d4.jsonl"))]), &["--self-prompts", "--prompts"]),
+        (args(&["distill", "--model", &m, "--self-prompts", "3", "--out", &s(&dir.join("not-distill.jsonl"))]), &["not-distill.jsonl", "--self-prompts"]),
         (args(&["export", "--model", &m, "--drafter", &d, "--out", &d, "--format", "f16"]), &["--out", "--drafter directory itself"]),
         (args(&["bench", "--model", &garbage]), &["garbage.gguf"]),
         (args(&["export", "--model", &m, "--drafter", &s(&dir.join("nope")), "--out", &s(&dir.join("e"))]), &["nope"]),
@@ -126,7 +129,7 @@ fn every_subcommand_refuses_bad_input_cleanly() {
         }
     }
     // Nothing half-made was left behind, and the existing output was not touched.
-    for p in ["o1", "o2", "o4", "o5", "o6", "o7", "o8", "d.jsonl", "d2.jsonl", "d3.jsonl", "e", "e2", "kept.md", "kept.svg", "t.json"] {
+    for p in ["o1", "o2", "o4", "o5", "o6", "o7", "o8", "d.jsonl", "d2.jsonl", "d3.jsonl", "d4.jsonl", "e", "e2", "kept.md", "kept.svg", "t.json"] {
         let p = dir.join(p);
         assert!(!p.exists(), "{} was left behind", p.display());
     }

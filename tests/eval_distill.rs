@@ -3,7 +3,7 @@ mod common;
 
 use common::*;
 use selfspec::data::{read_prompts, PromptItem};
-use selfspec::train::distill::{answer, answer_batch, append_record, done_ids};
+use selfspec::train::distill::{answer, answer_batch, append_record, done_ids, self_prompt_ids, write_prompts, write_prompts_file};
 use selfspec::eval::report::{to_markdown, to_svg};
 use selfspec::eval::{evaluate, mark_drafted, EvalOptions};
 use selfspec::decode::sampling::SamplingParams;
@@ -135,6 +135,61 @@ fn batched_distill_matches_one_prompt_at_a_time() {
     .unwrap_err();
     assert!(err.to_string().contains("prompt \"p3\"") && err.to_string().contains("context"), "{err}");
     assert_eq!(done, ["p0", "p1", "p2"]);
+}
+
+/// The target writes prompts itself: each depends on its index alone (any batch size, any
+/// subset), the file resumes, `distill --prompts` reads it (skipping unfinished prompts), and
+/// some other file is refused as --out.
+#[test]
+fn self_prompts_are_batch_invariant_and_resume() {
+    let (_, t) = tiny_gguf("self-prompts", 34);
+    let params = SamplingParams { temperature: 1.0, top_p: 0.9, ..Default::default() };
+    let collect = |indices: &[usize], batch: usize| {
+        let mut got = Vec::new();
+        write_prompts(&t, indices, &params, 6, 70, batch, &mut |p| {
+            got.push(p);
+            Ok(())
+        })
+        .unwrap();
+        got.sort_by(|a, b| a.question_id.cmp(&b.question_id));
+        got
+    };
+    // The prompts follow the template's opening of a user turn (ChatML here).
+    let prefix = t.tokenizer.decode(&t.user_turn_prefix_ids().unwrap()).unwrap();
+    assert!(prefix.ends_with("user\n") && !prefix.contains("assistant"), "{prefix:?}");
+    let all = collect(&[0, 1, 2, 3, 4, 5], 1);
+    assert_eq!(all.len(), 6);
+    assert_eq!(collect(&[0, 1, 2, 3, 4, 5], 4), all);
+    assert_eq!(collect(&[4, 1], 2), vec![all[1].clone(), all[4].clone()]);
+    // The tiny model's random weights rarely end a turn within 6 tokens: unfinished ones are
+    // cut at the budget; a finished one has text and ended with the end-of-turn token.
+    for p in &all {
+        assert!(p.tokens <= 6 && p.tokens >= 1);
+        assert!(!p.finished || !p.prompt.is_empty(), "{p:?}");
+        assert!(p.finished || p.tokens == 6 || p.prompt.is_empty(), "{p:?}");
+    }
+    assert_ne!(all[0].prompt, all[1].prompt, "each index has its own seed");
+    // The file: a killed run (here: a shorter one, then a torn line) resumes to the same prompts.
+    let dir = scratch("self-prompts-out");
+    let out = dir.join("p.jsonl");
+    write_prompts_file(&t, 3, &out, &params, 6, 70, 2, &mut |_| {}).unwrap();
+    std::fs::OpenOptions::new().append(true).open(&out).and_then(|mut f| std::io::Write::write_all(&mut f, b"{\"question_id\": \"self-3\", \"pro")).unwrap();
+    let s = write_prompts_file(&t, 6, &out, &params, 6, 70, 3, &mut |_| {}).unwrap();
+    assert_eq!((s.already_done, s.answered), (3, 3));
+    let mut lines: Vec<_> = std::fs::read_to_string(&out).unwrap().lines().map(|l| serde_json::from_str::<selfspec::train::distill::SelfPrompt>(l).unwrap()).collect();
+    lines.sort_by(|a, b| a.question_id.cmp(&b.question_id));
+    assert_eq!(lines, all);
+    assert_eq!(self_prompt_ids(&out).unwrap().len(), 6);
+    let finished = all.iter().filter(|p| p.finished).count();
+    if finished > 0 {
+        assert_eq!(read_prompts(&out).unwrap().len(), finished, "unfinished prompts are skipped");
+    }
+    // A distill answers file, or anything else, is not a prompts file to append to.
+    let other = dir.join("answers.jsonl");
+    std::fs::write(&other, "{\"id\": \"1\", \"messages\": [], \"new_tokens\": 0}\n").unwrap();
+    let e = write_prompts_file(&t, 2, &other, &params, 6, 70, 2, &mut |_| {}).unwrap_err().to_string();
+    assert!(e.contains("answers.jsonl") && e.contains("--self-prompts"), "{e}");
+    assert!(write_prompts(&t, &[0], &params, 6, 70, 0, &mut |_| Ok(())).is_err(), "batch 0");
 }
 
 /// A base model (no chat template) is evaluated on its prompts as plain text, warm-up included.
