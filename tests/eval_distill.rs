@@ -220,3 +220,22 @@ fn eval_takes_a_model_without_a_chat_template() {
     assert_eq!(r.turns.len(), 1);
     assert_eq!(r.overall[0].all_identical, Some(true));
 }
+
+/// The committed corpus is what `training/corpus.toml` says it is: each set's answers file has
+/// its recorded sha256, record count and token count (the sum of the records' new_tokens), so a
+/// set edited in place, or answers regenerated with other flags, cannot pass unnoticed.
+#[test]
+fn committed_corpus_matches_its_manifest() {
+    use sha2::{Digest, Sha256};
+    let m = selfspec::data::manifest::Manifest::read(&std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/corpus.toml")).unwrap();
+    assert!(m.sets.len() >= 11);
+    for set in &m.sets {
+        let bytes = std::fs::read(&set.answers).unwrap_or_else(|e| panic!("{}: {e}", set.answers.display()));
+        let sha: String = Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(Some(&sha), set.sha256.as_ref(), "{}: sha256", set.id);
+        let text = String::from_utf8(bytes).unwrap();
+        let recs: Vec<selfspec::data::DistillRecord> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(Some(recs.len() as u64), set.records, "{}: records", set.id);
+        assert_eq!(Some(recs.iter().map(|r| r.new_tokens as u64).sum::<u64>()), set.tokens, "{}: tokens", set.id);
+    }
+}
