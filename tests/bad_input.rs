@@ -110,9 +110,15 @@ fn every_subcommand_refuses_bad_input_cleanly() {
         (args(&["train", "--model", &m, "--data", &s(&dir.join("nope.txt")), "--out", &s(&dir.join("o8"))]), &["--data", "nope.txt"]),
         (args(&["distill", "--model", &m, "--prompts", &prompts, "--out", &s(&dir.join("d3.jsonl")), "--batch", "0"]), &["--batch"]),
         (args(&["distill", "--model", &m, "--prompts", &prompts, "--out", &s(&write("not-distill.jsonl", b"garbage\n{\"x\":1}\n"))]), &["not-distill.jsonl", "line 1"]),
-        (args(&["distill", "--model", &m, "--self-prompts", "0", "--out", &s(&dir.join("d4.jsonl"))]), &["--self-prompts", "0"]),
-        (args(&["distill", "--model", &m, "--self-prompts", "3", "--prompts", &prompts, "--out", &s(&dir.join("d4.jsonl"))]), &["--self-prompts", "--prompts"]),
-        (args(&["distill", "--model", &m, "--self-prompts", "3", "--out", &s(&dir.join("not-distill.jsonl"))]), &["not-distill.jsonl", "--self-prompts"]),
+        // distill --self-prompts: refused before the model loads (the model here does not
+        // exist, so a check after the load would report that instead).
+        (args(&["distill", "--model", &missing, "--self-prompts", "0", "--out", &s(&dir.join("d4.jsonl"))]), &["--self-prompts", "not in 1..="]),
+        (args(&["distill", "--model", &missing, "--self-prompts", "3", "--prompts", &prompts, "--out", &s(&dir.join("d4.jsonl"))]), &["--self-prompts", "--prompts", "cannot be used with"]),
+        (args(&["distill", "--model", &missing, "--out", &s(&dir.join("d4.jsonl"))]), &["--self-prompts", "--prompts"]),
+        (args(&["distill", "--model", &missing, "--self-prompts", "3", "--out", &s(&dir.join("d4.jsonl"))]), &["--temperature", "every prompt would be the same"]),
+        (args(&["distill", "--model", &missing, "--self-prompts", "3", "--temperature", "1", "--max-tokens", "0", "--out", &s(&dir.join("d4.jsonl"))]), &["--max-tokens"]),
+        (args(&["distill", "--model", &missing, "--self-prompts", "3", "--temperature", "1", "--out", &s(&dir.join("not-distill.jsonl"))]), &["not-distill.jsonl", "--self-prompts"]),
+        (args(&["distill", "--model", &missing, "--self-prompts", "3", "--temperature", "1", "--out", &s(&write("note.txt", b"a note without a newline"))]), &["note.txt", "not one of this command's records"]),
         (args(&["export", "--model", &m, "--drafter", &d, "--out", &d, "--format", "f16"]), &["--out", "--drafter directory itself"]),
         (args(&["bench", "--model", &garbage]), &["garbage.gguf"]),
         (args(&["export", "--model", &m, "--drafter", &s(&dir.join("nope")), "--out", &s(&dir.join("e"))]), &["nope"]),
@@ -135,6 +141,7 @@ fn every_subcommand_refuses_bad_input_cleanly() {
     }
     assert_eq!(std::fs::read(&kept).unwrap(), b"keep me");
     assert_eq!(std::fs::read(dir.join("not-distill.jsonl")).unwrap(), b"garbage\n{\"x\":1}\n", "nothing appended");
+    assert_eq!(std::fs::read(dir.join("note.txt")).unwrap(), b"a note without a newline", "not cut as a torn line");
     // With a drafter, --lossy-typical runs and says it is lossy.
     let (code, err) = run(&gen(&["--drafter", &d, "--lossy-typical", "--temperature", "0.7"]));
     assert_eq!(code, 0, "{err}");

@@ -176,14 +176,26 @@ fn self_prompts_are_batch_invariant_and_resume() {
     std::fs::OpenOptions::new().append(true).open(&out).and_then(|mut f| std::io::Write::write_all(&mut f, b"{\"question_id\": \"self-3\", \"pro")).unwrap();
     let s = write_prompts_file(&t, 6, &out, &params, 6, 70, 3, &mut |_| {}).unwrap();
     assert_eq!((s.already_done, s.answered), (3, 3));
-    let mut lines: Vec<_> = std::fs::read_to_string(&out).unwrap().lines().map(|l| serde_json::from_str::<selfspec::train::distill::SelfPrompt>(l).unwrap()).collect();
-    lines.sort_by(|a, b| a.question_id.cmp(&b.question_id));
+    // In prompt order, whatever the completion order was.
+    let lines: Vec<_> = std::fs::read_to_string(&out).unwrap().lines().map(|l| serde_json::from_str::<selfspec::train::distill::SelfPrompt>(l).unwrap()).collect();
     assert_eq!(lines, all);
     assert_eq!(self_prompt_ids(&out).unwrap().len(), 6);
+    // `distill --prompts` reads the finished ones only.
     let finished = all.iter().filter(|p| p.finished).count();
-    if finished > 0 {
-        assert_eq!(read_prompts(&out).unwrap().len(), finished, "unfinished prompts are skipped");
+    match read_prompts(&out) {
+        Ok(items) => assert_eq!(items.len(), finished),
+        Err(e) => assert!(finished == 0 && e.to_string().contains("6 unfinished"), "{e}"),
     }
+    // A write torn inside a multi-byte character still resumes.
+    let torn = dir.join("torn.jsonl");
+    let mut bytes = std::fs::read(&out).unwrap();
+    bytes.extend_from_slice("{\"question_id\": \"self-9\", \"prompt\": \"caf\u{e9}".as_bytes());
+    bytes.pop();
+    std::fs::write(&torn, &bytes).unwrap();
+    assert_eq!(self_prompt_ids(&torn).unwrap().len(), 6);
+    // Greedy, every prompt would be the same: refused.
+    let e = write_prompts(&t, &[0, 1], &SamplingParams::greedy(), 6, 70, 2, &mut |_| Ok(())).unwrap_err().to_string();
+    assert!(e.contains("--temperature"), "{e}");
     // A distill answers file, or anything else, is not a prompts file to append to.
     let other = dir.join("answers.jsonl");
     std::fs::write(&other, "{\"id\": \"1\", \"messages\": [], \"new_tokens\": 0}\n").unwrap();

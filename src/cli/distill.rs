@@ -9,18 +9,19 @@ use selfspec::train::distill::{distill_file, write_prompts_file};
 use crate::cli::args::{progress, ModelArgs, SamplingArgs};
 
 #[derive(Args)]
+#[command(group(clap::ArgGroup::new("input").required(true).args(["prompts", "self_prompts"])))]
 pub struct DistillArgs {
     #[command(flatten)]
     model: ModelArgs,
     /// One prompt per line, or JSONL with "prompt" or "turns".
-    #[arg(long, required_unless_present = "self_prompts")]
+    #[arg(long)]
     prompts: Option<PathBuf>,
     /// Instead of answering --prompts, the target writes this many user prompts itself:
     /// sampled (with the sampling flags; e.g. --temperature 1) after its chat template's
     /// opening of a user turn, until it ends the turn (Magpie's method). --out gets a prompts
-    /// file ("finished": false marks a prompt cut at --max-tokens; --prompts skips those) for
-    /// a later distill to answer.
-    #[arg(long, conflicts_with = "prompts", value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    /// file in prompt order ("finished": false marks a prompt cut at --max-tokens, empty, or
+    /// gone off the template; --prompts skips those) for a later distill to answer.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     self_prompts: Option<u32>,
     /// JSONL answers (or prompts), appended as each is done (a killed run resumes).
     #[arg(long)]
@@ -44,9 +45,12 @@ pub fn run(a: DistillArgs) -> Result<()> {
         bail!("--batch must be at least 1");
     }
     if let Some(n) = a.self_prompts {
+        if params.is_greedy() && n > 1 {
+            bail!("{}", selfspec::train::distill::GREEDY_PROMPTS);
+        }
         return self_prompts(&a, n as usize, &params);
     }
-    let items = selfspec::data::read_prompts(a.prompts.as_ref().expect("clap requires --prompts"))?;
+    let items = selfspec::data::read_prompts(a.prompts.as_ref().expect("clap requires --prompts or --self-prompts"))?;
     selfspec::files::check_writable(&a.out)?;
     // An existing --out must be this command's own output (resumed), checked before the load.
     selfspec::train::distill::done_ids(&a.out)?;

@@ -24,6 +24,7 @@ pub fn read_prompts(path: &Path) -> Result<Vec<PromptItem>> {
     let bytes = crate::files::read_data(path)?;
     let text = String::from_utf8(bytes).map_err(|_| Error::bad_file(path, "not UTF-8 text"))?;
     let mut out = Vec::new();
+    let mut unfinished = 0;
     for (i, line) in text.lines().enumerate() {
         let line = line.trim();
         if line.is_empty() || line.starts_with('#') {
@@ -33,6 +34,7 @@ pub fn read_prompts(path: &Path) -> Result<Vec<PromptItem>> {
             let v: serde_json::Value = serde_json::from_str(line).map_err(|e| Error::bad_file(path, format!("line {}: invalid JSON: {e}", i + 1)))?;
             // A prompt `distill --self-prompts` wrote but the model did not finish.
             if v.get("finished").and_then(|f| f.as_bool()) == Some(false) {
+                unfinished += 1;
                 continue;
             }
             let turns: Vec<String> = if let Some(p) = v.get("prompt").and_then(|p| p.as_str()) {
@@ -53,7 +55,8 @@ pub fn read_prompts(path: &Path) -> Result<Vec<PromptItem>> {
         }
     }
     if out.is_empty() {
-        return Err(Error::bad_file(path, "no prompts in the file"));
+        let why = if unfinished > 0 { format!("no prompts in the file ({unfinished} unfinished ones skipped)") } else { "no prompts in the file".into() };
+        return Err(Error::bad_file(path, why));
     }
     Ok(out)
 }
@@ -187,6 +190,8 @@ mod tests {
         std::fs::write(&p, "{\"question_id\": \"self-0\", \"prompt\": \"cut\", \"finished\": false}\n{\"question_id\": \"self-1\", \"prompt\": \"whole\", \"finished\": true}\n").unwrap();
         let items = read_prompts(&p).unwrap();
         assert_eq!((items.len(), items[0].id.as_str(), items[0].turns[0].as_str()), (1, "self-1", "whole"));
+        std::fs::write(&p, "{\"question_id\": \"self-0\", \"prompt\": \"cut\", \"finished\": false}\n").unwrap();
+        assert!(read_prompts(&p).unwrap_err().to_string().contains("1 unfinished"));
         std::fs::write(&p, "\n\n").unwrap();
         assert!(read_prompts(&p).is_err());
         let bad = d.join("bad.txt");

@@ -110,7 +110,7 @@ impl Target {
 
     /// The chat template, or an error saying why there is none and what needs one.
     fn template(&self) -> Result<&ChatTemplate> {
-        const NEEDS: &str = "chat prompts (generate --chat; eval, tune and distill, which answer their prompts as a chat) need one: use a model that has one, or `generate` without --chat";
+        const NEEDS: &str = "chat prompts (generate --chat; eval, tune and distill, which answer their prompts as a chat; distill --self-prompts, which writes them after the template's opening of a user turn) need one: use a model that has one, or `generate` without --chat";
         match (&self.chat_template, &self.chat_template_error) {
             (Some(t), _) => Ok(t),
             (None, Some(e)) => Err(Error::bad_file(&self.path, format!("the model's chat template does not parse ({e}); {NEEDS}"))),

@@ -55,6 +55,12 @@ impl Tokenizer {
         self.inner.decode(ids, true).map_err(|e| Error::Tokenizer(e.to_string()))
     }
 
+    /// The ids of the special added tokens (chat-template markers, end of text): text never
+    /// contains them, so decoding drops them.
+    pub fn special_ids(&self) -> std::collections::HashSet<u32> {
+        self.inner.get_added_tokens_decoder().into_iter().filter(|(_, t)| t.special).map(|(id, _)| id).collect()
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }

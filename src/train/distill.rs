@@ -16,38 +16,46 @@ use crate::{Error, Result};
 
 /// Ids already answered in `out` (resume support). A torn last line is ignored.
 pub fn done_ids(out: &Path) -> Result<std::collections::HashSet<String>> {
-    let mut s = std::collections::HashSet::new();
     // Every complete line must be one of our records: appending to some other file would
     // leave a file that neither this command nor `train` can read.
-    for (n, line) in complete_lines(out)?.lines().enumerate() {
-        match serde_json::from_str::<DistillRecord>(line) {
+    ids_in(out, "{\"id\":", "not a distill record", |r: DistillRecord| r.id)
+}
+
+/// The ids of the records in an append-only JSONL output of ours (none if it does not exist
+/// yet). `start` is how each of our lines begins: a last line without its newline (a run killed
+/// mid-write) is skipped, and cut off by the next append, only if it begins so; any other file
+/// is refused, naming it, rather than appended to or cut.
+fn ids_in<T: serde::de::DeserializeOwned>(out: &Path, start: &str, what: &str, id: fn(T) -> String) -> Result<std::collections::HashSet<String>> {
+    let mut s = std::collections::HashSet::new();
+    if !out.exists() {
+        return Ok(s);
+    }
+    let other = |m: String| Error::bad_file(out, format!("{m}; it is some other file: choose another --out"));
+    let mut bytes = crate::files::read_data(out)?;
+    let complete = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+    if complete < bytes.len() && !bytes[complete..].starts_with(start.as_bytes()) {
+        return Err(other(format!("its last line is not one of this command's records ({what})")));
+    }
+    // Cut first: a torn write can end inside a multi-byte character.
+    bytes.truncate(complete);
+    let text = String::from_utf8(bytes).map_err(|_| other("not UTF-8 text".into()))?;
+    for (n, line) in text.lines().enumerate() {
+        match serde_json::from_str::<T>(line) {
             Ok(r) => {
-                s.insert(r.id);
+                s.insert(id(r));
             }
-            Err(e) => return Err(Error::bad_file(out, format!("line {}: not a distill record ({e}); it is some other file: choose another --out", n + 1))),
+            Err(e) => return Err(other(format!("line {}: {what} ({e})", n + 1))),
         }
     }
     Ok(s)
 }
 
-/// The complete lines of an append-only JSONL output (empty if there is none yet); a torn last
-/// line, left by a killed run, is not among them.
-fn complete_lines(out: &Path) -> Result<String> {
-    if !out.exists() {
-        return Ok(String::new());
-    }
-    let bytes = crate::files::read_data(out)?;
-    let mut text = String::from_utf8(bytes).map_err(|_| Error::bad_file(out, "not UTF-8 text, so not this command's output; choose another --out"))?;
-    text.truncate(text.rfind('\n').map_or(0, |i| i + 1));
-    Ok(text)
-}
-
 /// What a [`distill_file`] run did.
 #[derive(Debug, Clone, Default)]
 pub struct DistillSummary {
-    /// Prompts answered in this run.
+    /// Prompts answered (or, with [`write_prompts_file`], written) in this run.
     pub answered: usize,
-    /// Prompts skipped because `out` already had their answer (a resumed run).
+    /// Prompts skipped because `out` already had them (a resumed run).
     pub already_done: usize,
     /// New tokens written in this run.
     pub tokens: usize,
@@ -222,6 +230,9 @@ fn step_batch<'c>(target: &Target, seqs: impl Iterator<Item = (u32, &'c mut KvCa
     rows_to_vec(&model.logits(&hidden)?)
 }
 
+/// Why [`write_prompts`] refuses greedy decoding.
+pub const GREEDY_PROMPTS: &str = "--self-prompts samples its prompts: give --temperature above 0 (e.g. 1); greedy, every prompt would be the same";
+
 /// One user prompt the target wrote for itself ([`write_prompts`]); a line of the prompts file
 /// `distill --self-prompts` writes, which `distill --prompts` then answers.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -230,8 +241,9 @@ pub struct SelfPrompt {
     pub question_id: String,
     pub category: String,
     pub prompt: String,
-    /// The model ended the turn itself with text in it; `false`: cut at the token budget, or
-    /// empty. [`crate::data::read_prompts`] skips unfinished prompts.
+    /// The model ended the turn itself with text in it; `false`: cut at the token budget (or the
+    /// context), empty, or gone off the template (another special token).
+    /// [`crate::data::read_prompts`] skips unfinished prompts.
     pub finished: bool,
     /// Tokens sampled for it.
     pub tokens: usize,
@@ -243,8 +255,8 @@ pub struct SelfPrompt {
 /// drawn from no benchmark. Prompt n (each of `indices`) samples with seed `seed + n`, so its
 /// text depends on n alone, not on the batch or on which others are written in the same run;
 /// up to `batch` are sampled side by side, one token each per forward. `on_done` gets each as
-/// soon as it ends (in completion order).
-#[allow(clippy::too_many_arguments)]
+/// soon as it ends (in completion order). Greedy parameters are refused for more than one
+/// prompt: every prompt would be the same.
 pub fn write_prompts(
     target: &Target,
     indices: &[usize],
@@ -258,8 +270,15 @@ pub fn write_prompts(
     if batch == 0 {
         return Err(Error::InvalidArgument("the batch size must be at least 1".into()));
     }
+    if params.is_greedy() && indices.len() > 1 {
+        return Err(Error::InvalidArgument(GREEDY_PROMPTS.into()));
+    }
     let prefix = target.user_turn_prefix_ids()?;
-    let budget = check_budget(prefix.len(), max_tokens, target.model.config().max_position)?;
+    let budget = check_budget(prefix.len(), max_tokens, target.model.config().max_position)
+        .map_err(|e| Error::InvalidArgument(format!("--self-prompts: the chat template's opening of a user turn: {e}")))?;
+    // A special token other than the end of the turn (the header of another turn, say) means
+    // the text went off the template: the prompt counts as unfinished.
+    let special = target.tokenizer.special_ids();
     struct Writer {
         n: usize,
         rng: Rng64,
@@ -286,12 +305,13 @@ pub fn write_prompts(
             s.out.push(tok);
             s.history.push(tok);
             let ended = target.tokenizer.is_eos(tok);
-            if !ended && s.out.len() < budget {
+            let strayed = !ended && special.contains(&tok);
+            if !ended && !strayed && s.out.len() < budget {
                 i += 1;
                 continue;
             }
             let s = slots.swap_remove(i);
-            let text = if ended { target.tokenizer.decode(&s.out[..s.out.len() - 1])? } else { target.tokenizer.decode(&s.out)? };
+            let text = target.tokenizer.decode(&s.out[..s.out.len() - ended as usize])?;
             let prompt = text.trim().to_string();
             let finished = ended && !prompt.is_empty();
             on_done(SelfPrompt { question_id: format!("self-{}", s.n), category: "self".into(), prompt, finished, tokens: s.out.len() })?;
@@ -328,22 +348,33 @@ pub fn write_prompts_file(
         on_prompt(&p);
         Ok(())
     })?;
+    sort_prompts_file(out)?;
     Ok(summary)
+}
+
+/// Rewrite a finished [`write_prompts_file`] output in prompt order (atomically), so the file is
+/// the same whatever the batch size or resumes (lines are appended in completion order).
+fn sort_prompts_file(out: &Path) -> Result<()> {
+    let text = String::from_utf8(crate::files::read_data(out)?).map_err(|_| Error::bad_file(out, "not UTF-8 text"))?;
+    let mut lines: Vec<(usize, &str)> = Vec::new();
+    for line in text.lines() {
+        let p: SelfPrompt = serde_json::from_str(line).map_err(|e| Error::bad_file(out, format!("not a prompt written by --self-prompts ({e})")))?;
+        let n = p.question_id.strip_prefix("self-").and_then(|n| n.parse().ok()).ok_or_else(|| Error::bad_file(out, format!("prompt id {:?} is not self-<n>", p.question_id)))?;
+        lines.push((n, line));
+    }
+    lines.sort_by_key(|l| l.0);
+    let mut sorted = String::with_capacity(text.len());
+    for (_, l) in lines {
+        sorted.push_str(l);
+        sorted.push('\n');
+    }
+    crate::files::write_atomic(out, sorted.as_bytes())
 }
 
 /// Ids already written to a [`write_prompts_file`] output (a torn last line is ignored); any
 /// other file is refused, not appended to.
 pub fn self_prompt_ids(out: &Path) -> Result<std::collections::HashSet<String>> {
-    let mut s = std::collections::HashSet::new();
-    for (n, line) in complete_lines(out)?.lines().enumerate() {
-        match serde_json::from_str::<SelfPrompt>(line) {
-            Ok(p) => {
-                s.insert(p.question_id);
-            }
-            Err(e) => return Err(Error::bad_file(out, format!("line {}: not a prompt written by --self-prompts ({e}); it is some other file: choose another --out", n + 1))),
-        }
-    }
-    Ok(s)
+    ids_in(out, "{\"question_id\":", "not a prompt written by --self-prompts", |p: SelfPrompt| p.question_id)
 }
 
 fn ends_with_newline(path: &Path) -> Result<bool> {
