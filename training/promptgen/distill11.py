@@ -15,8 +15,8 @@ not) was made on the 2-core Xeon on 7 December 2026 with
     --temperature 1 --top-p 0.95 --max-tokens 96 --batch 16 --seed 1100000 \\
     --out training/prompts/self11-written.jsonl
 
-then sorted by n (prompt n is sampled with seed 1100000 + n, so the sorted lines are the same at
-any batch size and after any resume; the command writes them in completion order). This module keeps, in n order: finished prompts of
+(prompt n is sampled with seed 1100000 + n, so each line is the same at any batch size and after
+any resume; the command leaves the file in prompt order). This module keeps, in n order: finished prompts of
 20-600 characters, printable text without chat-template tokens, dropping the eval and tune
 prompts' topics (BANNED_WIDER, as every set since distill6), their text, duplicates and every
 earlier set's prompts.
