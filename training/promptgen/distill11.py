@@ -9,7 +9,8 @@ eval prompts, which were written separately in other styles. Prompts from the ta
 distribution are a source of variety no list written here has.
 
 The raw file (committed: prompts/self11-written.jsonl, every prompt the target wrote, finished or
-not) was made on the 2-core Xeon on 7 December 2026 with
+not) was made on the 2-core Xeon on 7 December 2026 (rewritten by `177e980`'s code, which ends
+a prompt at a stray special token: three unfinished lines changed, no finished one) with
 
   selfspec distill --model models/smollm2.gguf --weights native --self-prompts 5000 \\
     --temperature 1 --top-p 0.95 --max-tokens 96 --batch 16 --seed 1100000 \\
