@@ -86,7 +86,7 @@ fn self_prompts(a: &DistillArgs, n: usize, params: &selfspec::decode::sampling::
     bar.finish_and_clear();
     let secs = t0.elapsed().as_secs_f64();
     eprintln!(
-        "distill --self-prompts: {} written now ({finished} finished, the rest cut at --max-tokens or empty), {} already done, {} tokens in {secs:.0}s ({:.1} tok/s) -> {}",
+        "distill --self-prompts: {} written now ({finished} finished; the others cut at --max-tokens, empty or off the template), {} already done, {} tokens in {secs:.0}s ({:.1} tok/s) -> {} (in prompt order)",
         s.answered,
         s.already_done,
         s.tokens,
