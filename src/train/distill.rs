@@ -106,20 +106,64 @@ pub fn answer(target: &Target, item: &PromptItem, params: &SamplingParams, max_t
     Ok(DistillRecord { id: item.id.clone(), messages, new_tokens: total })
 }
 
+/// One sequence decoding inside a batch ([`answer_batch`], [`write_prompts`]): its own sampler
+/// state and KV cache, so its tokens do not depend on what shares the forward.
+struct Seq {
+    rng: Rng64,
+    cache: KvCache,
+    /// The prompt plus the tokens chosen so far (penalties read it).
+    history: Vec<u32>,
+    /// The tokens chosen so far.
+    out: Vec<u32>,
+    /// The target's logits for the next token.
+    logits: Vec<f32>,
+}
+
+impl Seq {
+    /// Prefill `prompt` alone, as [`generate_plain`] does.
+    fn start(target: &Target, prompt: Vec<u32>, rng: Rng64) -> Result<Self> {
+        let (cache, logits, _) = prefill(&target.model, &prompt)?;
+        Ok(Seq { rng, cache, history: prompt, out: Vec::new(), logits })
+    }
+
+    /// Choose the next token as plain decoding does and append it.
+    fn choose(&mut self, params: &SamplingParams) -> u32 {
+        let tok = params.choose(&self.logits, &self.history, &mut self.rng);
+        self.out.push(tok);
+        self.history.push(tok);
+        tok
+    }
+
+    /// One batched decoding step: each sequence feeds the token it just chose, all in one
+    /// [`crate::model::Llama::forward_batch`] (each weight read once for all rows; every row's
+    /// bits the same as alone), and gets its logits for the next.
+    fn step_all<'s>(target: &Target, seqs: impl Iterator<Item = &'s mut Seq>) -> Result<()> {
+        let model = &target.model;
+        let mut seqs: Vec<&mut Seq> = seqs.collect();
+        let toks: Vec<[u32; 1]> = seqs.iter().map(|s| [*s.out.last().expect("chose this pass")]).collect();
+        let pos: Vec<[usize; 1]> = seqs.iter().map(|s| [s.cache.len()]).collect();
+        let mask = TreeMask::causal(1);
+        let mut entries: Vec<BatchEntry> = seqs
+            .iter_mut()
+            .zip(toks.iter().zip(&pos))
+            .map(|(s, (t, p))| BatchEntry { tokens: t, positions: p, mask: &mask, cache: &mut s.cache })
+            .collect();
+        let hidden = model.forward_batch(&mut entries)?;
+        for (s, row) in seqs.into_iter().zip(rows_to_vec(&model.logits(&hidden)?)?) {
+            s.logits = row;
+        }
+        Ok(())
+    }
+}
+
 /// One conversation in flight inside [`answer_batch`].
 struct Slot<'a> {
     item: &'a PromptItem,
     turn: usize,
     messages: Vec<Message>,
     total: usize,
-    rng: Rng64,
-    cache: KvCache,
-    /// Prompt of this turn plus the tokens answered so far (penalties read it).
-    history: Vec<u32>,
-    out: Vec<u32>,
     budget: usize,
-    /// The target's logits for the next token.
-    logits: Vec<f32>,
+    seq: Seq,
 }
 
 impl<'a> Slot<'a> {
@@ -132,8 +176,7 @@ impl<'a> Slot<'a> {
         // Many prompts are in flight at once, so say which one does not fit.
         let budget = check_budget(ids.len(), max_tokens, target.model.config().max_position)
             .map_err(|e| Error::InvalidArgument(format!("prompt {:?}, turn {}: {e}", item.id, turn + 1)))?;
-        let (cache, logits, _) = prefill(&target.model, &ids)?;
-        Ok(Slot { item, turn, messages, total, rng, cache, history: ids, out: Vec::new(), budget, logits })
+        Ok(Slot { item, turn, messages, total, budget, seq: Seq::start(target, ids, rng)? })
     }
 }
 
@@ -178,15 +221,13 @@ pub fn answer_batch(
         let mut i = 0;
         while i < slots.len() {
             let s = &mut slots[i];
-            let tok = params.choose(&s.logits, &s.history, &mut s.rng);
-            s.out.push(tok);
-            s.history.push(tok);
-            if !(target.tokenizer.eos_ids.contains(&tok) || s.out.len() >= s.budget || s.cache.len() + 1 >= max_pos) {
+            let tok = s.seq.choose(params);
+            if !(target.tokenizer.eos_ids.contains(&tok) || s.seq.out.len() >= s.budget || s.seq.cache.len() + 1 >= max_pos) {
                 i += 1;
                 continue;
             }
             let s = slots.swap_remove(i);
-            let Slot { item, turn, mut messages, total, rng, mut out, .. } = s;
+            let Slot { item, turn, mut messages, total, seq: Seq { rng, mut out, .. }, .. } = s;
             let total = total + out.len();
             if out.last().is_some_and(|t| target.tokenizer.is_eos(*t)) {
                 out.pop();
@@ -206,28 +247,8 @@ pub fn answer_batch(
             continue;
         }
         // Every conversation still going feeds the token it just chose.
-        let logits = step_batch(target, slots.iter_mut().map(|s| (*s.out.last().expect("chose this pass"), &mut s.cache)))?;
-        for (s, row) in slots.iter_mut().zip(logits) {
-            s.logits = row;
-        }
+        Seq::step_all(target, slots.iter_mut().map(|s| &mut s.seq))?;
     }
-}
-
-/// One batched decoding step: each sequence feeds one token at its cache's end, all in one
-/// [`crate::model::Llama::forward_batch`] (each weight read once for all rows; every row's bits
-/// the same as alone); returns each sequence's logits for its next token.
-fn step_batch<'c>(target: &Target, seqs: impl Iterator<Item = (u32, &'c mut KvCache)>) -> Result<Vec<Vec<f32>>> {
-    let model = &target.model;
-    let (toks, caches): (Vec<[u32; 1]>, Vec<&mut KvCache>) = seqs.map(|(t, c)| ([t], c)).unzip();
-    let pos: Vec<[usize; 1]> = caches.iter().map(|c| [c.len()]).collect();
-    let mask = TreeMask::causal(1);
-    let mut entries: Vec<BatchEntry> = caches
-        .into_iter()
-        .zip(toks.iter().zip(&pos))
-        .map(|(cache, (t, p))| BatchEntry { tokens: t, positions: p, mask: &mask, cache })
-        .collect();
-    let hidden = model.forward_batch(&mut entries)?;
-    rows_to_vec(&model.logits(&hidden)?)
 }
 
 /// Why [`write_prompts`] refuses greedy decoding.
@@ -279,48 +300,34 @@ pub fn write_prompts(
     // A special token other than the end of the turn (the header of another turn, say) means
     // the text went off the template: the prompt counts as unfinished.
     let special = target.tokenizer.special_ids();
-    struct Writer {
-        n: usize,
-        rng: Rng64,
-        cache: KvCache,
-        history: Vec<u32>,
-        out: Vec<u32>,
-        logits: Vec<f32>,
-    }
+    // (prompt index, its sequence)
     let mut queue = indices.iter();
-    let mut slots: Vec<Writer> = Vec::with_capacity(batch);
+    let mut slots: Vec<(usize, Seq)> = Vec::with_capacity(batch);
     loop {
         while slots.len() < batch {
             let Some(&n) = queue.next() else { break };
-            let (cache, logits, _) = prefill(&target.model, &prefix)?;
-            slots.push(Writer { n, rng: rng(seed.wrapping_add(n as u64)), cache, history: prefix.clone(), out: Vec::new(), logits });
+            slots.push((n, Seq::start(target, prefix.clone(), rng(seed.wrapping_add(n as u64)))?));
         }
         if slots.is_empty() {
             return Ok(());
         }
         let mut i = 0;
         while i < slots.len() {
-            let s = &mut slots[i];
-            let tok = params.choose(&s.logits, &s.history, &mut s.rng);
-            s.out.push(tok);
-            s.history.push(tok);
+            let tok = slots[i].1.choose(params);
             let ended = target.tokenizer.is_eos(tok);
             let strayed = !ended && special.contains(&tok);
-            if !ended && !strayed && s.out.len() < budget {
+            if !ended && !strayed && slots[i].1.out.len() < budget {
                 i += 1;
                 continue;
             }
-            let s = slots.swap_remove(i);
+            let (n, s) = slots.swap_remove(i);
             let text = target.tokenizer.decode(&s.out[..s.out.len() - ended as usize])?;
             let prompt = text.trim().to_string();
             let finished = ended && !prompt.is_empty();
-            on_done(SelfPrompt { question_id: format!("self-{}", s.n), category: "self".into(), prompt, finished, tokens: s.out.len() })?;
+            on_done(SelfPrompt { question_id: format!("self-{n}"), category: "self".into(), prompt, finished, tokens: s.out.len() })?;
         }
         if !slots.is_empty() {
-            let logits = step_batch(target, slots.iter_mut().map(|s| (*s.out.last().expect("chose this pass"), &mut s.cache)))?;
-            for (s, row) in slots.iter_mut().zip(logits) {
-                s.logits = row;
-            }
+            Seq::step_all(target, slots.iter_mut().map(|s| &mut s.1))?;
         }
     }
 }
