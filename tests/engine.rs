@@ -26,7 +26,7 @@ fn gguf_and_hf_loaders_give_identical_logits() {
     let lb = last_logits(&b.model, &tb);
     assert_eq!(la, lb, "GGUF and safetensors logits differ");
     // The chat template came through both paths.
-    let msg = [selfspec::model::tokenizer::Message { role: "user".into(), content: "hi".into() }];
+    let msg = [selfspec::model::tokenizer::Message::new("user", "hi")];
     assert_eq!(a.chat_prompt(&msg).unwrap(), b.chat_prompt(&msg).unwrap());
     assert_eq!(a.fingerprint().unwrap(), b.fingerprint().unwrap());
 }

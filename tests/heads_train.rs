@@ -110,7 +110,7 @@ fn loss_decreases_and_backbone_is_frozen() {
 #[test]
 fn conversations_train_on_the_answers_only() {
     let (_, t) = tiny_gguf("train-scored", 24);
-    let msg = |role: &str, content: &str| selfspec::model::tokenizer::Message { role: role.into(), content: content.into() };
+    let msg = |role: &str, content: &str| selfspec::model::tokenizer::Message::new(role, content);
     let render = |m: &[selfspec::model::tokenizer::Message]| -> selfspec::Result<String> {
         Ok(m.iter().map(|x| format!("<{}> {} </{}>\n", x.role, x.content, x.role)).collect())
     };

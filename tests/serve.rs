@@ -76,7 +76,7 @@ fn eight_concurrent_requests_get_exactly_what_generate_gives_them() {
     let plan = Plan::parse(DEFAULT_TREE).unwrap();
     let mut want = Vec::new();
     for (i, p) in prompts.iter().enumerate() {
-        let ids = target.prompt_ids(&[Message { role: "user".into(), content: p.clone() }]).unwrap();
+        let ids = target.prompt_ids(&[Message::new("user", p.clone())]).unwrap();
         for (params, seed) in [(SamplingParams::greedy(), 0u64), (sampled.clone(), 100 + i as u64)] {
             let stop = StopRule { max_new_tokens: 48, eos_ids: &target.tokenizer.eos_ids };
             let opts = SpecOptions { tree: plan.tree.clone(), lookup: plan.lookup, datastore: None, rule: Rule::for_params(&params, false), params: params.clone(), stop };
@@ -118,7 +118,7 @@ fn eight_concurrent_requests_get_exactly_what_generate_gives_them() {
         }
         assert!(drafted > 50, "the drafter hardly ran ({drafted} accepted tokens): the test shows nothing");
         // Streaming gives the same text in OpenAI's chunks, ending with [DONE].
-        let body = json!({"model": "smollm2", "messages": [{"role": "user", "content": prompts[0]}], "temperature": 0, "max_tokens": 48, "stream": true});
+        let body = json!({"model": "smollm2", "messages": [{"role": "user", "content": prompts[0]}], "temperature": 0, "max_tokens": 48, "stream": true, "stream_options": {"include_usage": true}});
         let resp = app.clone().oneshot(Request::post("/v1/chat/completions").header("content-type", "application/json").body(Body::from(body.to_string())).unwrap()).await.unwrap();
         assert_eq!(resp.headers()["content-type"], "text/event-stream");
         let raw = String::from_utf8(resp.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap();
@@ -126,9 +126,14 @@ fn eight_concurrent_requests_get_exactly_what_generate_gives_them() {
         assert_eq!(*events.last().unwrap(), "[DONE]");
         let mut text = String::new();
         let mut marks = 0;
-        for e in &events[..events.len() - 1] {
+        // With include_usage, every chunk carries "usage": null and a last one, without
+        // choices, the usage.
+        let usage: Value = serde_json::from_str(events[events.len() - 2]).unwrap();
+        assert_eq!((usage["choices"].as_array().map(Vec::len), usage["usage"]["completion_tokens"].as_u64()), (Some(0), Some(want[0].1 as u64)), "{usage}");
+        for e in &events[..events.len() - 2] {
             let v: Value = serde_json::from_str(e).unwrap();
             assert_eq!(v["object"], "chat.completion.chunk");
+            assert!(v.get("usage").is_some_and(Value::is_null), "{v}");
             text.push_str(v["choices"][0]["delta"]["content"].as_str().unwrap_or(""));
             marks += v["selfspec"]["tokens"].as_array().map_or(0, |a| a.iter().filter(|m| m[1] == json!(true)).count());
         }
@@ -154,6 +159,16 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_going() {
     let ids = target.tokenizer.encode("1, 2, 3, 4,", true).unwrap();
     let (plain, _) = generate_plain(&target.model, &ids, &SamplingParams::greedy(), &StopRule { max_new_tokens: 30, eos_ids: &target.tokenizer.eos_ids }, &mut rng(0), &mut |_| Ok(())).unwrap();
     let through_stop = (1..=plain.len()).find(|&n| target.tokenizer.decode(&plain[..n]).unwrap().contains(" 7")).expect("the plain answer reaches 7");
+    // A character whose tokens run out at the end is dropped, not sent as U+FFFD.
+    let cat = target.tokenizer.encode("猫", false).unwrap();
+    assert!(cat.len() >= 2, "{cat:?}: the test needs a character of several tokens");
+    let mut text = selfspec::TextStream::new(&target.tokenizer);
+    assert_eq!(text.push(cat[0]).unwrap(), None);
+    assert_eq!(text.finish().unwrap(), None);
+    let mut text = selfspec::TextStream::new(&target.tokenizer);
+    let whole: String = cat.iter().filter_map(|&t| text.push(t).unwrap()).collect();
+    assert_eq!(whole + &text.finish().unwrap().unwrap_or_default(), "猫");
+    let france = target.tokenizer.encode("The capital of France is", true).unwrap();
     let (state, engine) = prepare(target, Some(drafter), None, &config(1, 1, Some("sesame"))).unwrap();
     let app = http::router(state, 64 * 1024);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
@@ -168,6 +183,21 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_going() {
         assert_eq!(s, StatusCode::OK, "{v}");
         assert_eq!(v["object"], "text_completion");
         assert!(!v["choices"][0]["text"].as_str().unwrap().is_empty());
+        // The same prompt as token ids; the scheme's name in any case (RFC 7235).
+        let resp = app.clone().oneshot(Request::post("/v1/completions").header("authorization", "bearer sesame").body(Body::from(json!({"model": "smollm2", "prompt": france, "temperature": 0, "max_tokens": 4}).to_string())).unwrap()).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        let by_ids: Value = serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+        assert_eq!(by_ids["choices"][0]["text"], v["choices"][0]["text"]);
+        // The model by id; a wrong method is a JSON 405.
+        let get = |path: &str| Request::get(path).header("authorization", "Bearer sesame").body(Body::empty()).unwrap();
+        let r = app.clone().oneshot(get("/v1/models/smollm2")).await.unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+        let r = app.clone().oneshot(get("/v1/models/gpt-4")).await.unwrap();
+        assert_eq!(r.status(), StatusCode::NOT_FOUND);
+        let r = app.clone().oneshot(get("/v1/chat/completions")).await.unwrap();
+        assert_eq!(r.status(), StatusCode::METHOD_NOT_ALLOWED);
+        let v405: Value = serde_json::from_slice(&r.into_body().collect().await.unwrap().to_bytes()).unwrap();
+        assert_eq!(v405["error"]["code"], "method_not_allowed");
         // Malformed JSON, an unknown model, unsupported parameters, a prompt past the context.
         let resp = app.clone().oneshot(Request::post("/v1/chat/completions").header("authorization", "Bearer sesame").body(Body::from("{\"model\": ")).unwrap()).await.unwrap();
         assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
@@ -179,7 +209,7 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_going() {
         assert_eq!((s, v["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some("tools")));
         let long = "word ".repeat(context + 10);
         let (s, v, _) = call(&app, "/v1/completions", json!({"model": "smollm2", "prompt": long.clone()}), key).await;
-        assert_eq!((s, v["error"]["code"].as_str()), (StatusCode::BAD_REQUEST, Some("context_length_exceeded")));
+        assert_eq!((s, v["error"]["code"].as_str(), v["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some("context_length_exceeded"), Some("prompt")));
         // A body over the limit: 413 before it is parsed.
         let huge = json!({"model": "smollm2", "prompt": "x".repeat(100_000)});
         let (s, v, _) = call(&app, "/v1/completions", huge, key).await;

@@ -205,7 +205,7 @@ mod tests {
 
     #[test]
     fn conversations_score_only_the_answers() {
-        let msg = |role: &str, content: &str| Message { role: role.into(), content: content.into() };
+        let msg = |role: &str, content: &str| Message::new(role, content);
         let render = |m: &[Message]| -> Result<String> { Ok(m.iter().map(|x| format!("<{}>{}</>", x.role, x.content)).collect()) };
         let conv = [msg("system", "be nice"), msg("user", "say hi"), msg("assistant", " hi "), msg("user", "hi again"), msg("assistant", "hi")];
         let d = Document::conversation(&conv, &render).unwrap();

@@ -136,10 +136,14 @@ impl<'a> TextStream<'a> {
         }
     }
 
-    /// Whatever is left at the end.
+    /// Whatever is left at the end, less a character cut short (the bytes of a character the
+    /// last tokens began and never finished, which decode as U+FFFD).
     pub fn finish(&mut self) -> Result<Option<String>> {
         let before = self.tok.decode(&self.tokens[self.prev..self.current])?;
-        let now = self.tok.decode(&self.tokens[self.prev..])?;
+        let mut now = self.tok.decode(&self.tokens[self.prev..])?;
+        while now.len() > before.len() && now.ends_with('\u{FFFD}') {
+            now.pop();
+        }
         if now.len() > before.len() && now.is_char_boundary(before.len()) {
             self.prev = self.tokens.len();
             self.current = self.tokens.len();

@@ -185,7 +185,7 @@ pub fn evaluate(target: &Target, drafter: &Drafter, prompts: &[PromptItem], opts
     let greedy = opts.params.is_greedy();
     // Warm-up: page in weights, spin up threads.
     if let Some(first) = prompts.first() {
-        let ids = target.prompt_ids(&[Message { role: "user".into(), content: first.turns[0].clone() }])?;
+        let ids = target.prompt_ids(&[Message::new("user", first.turns[0].clone())])?;
         let stop = StopRule { max_new_tokens: 8, eos_ids: &eos };
         generate_plain(&target.model, &ids, &opts.params, &stop, &mut rng(0), &mut |_| Ok(()))?;
     }
@@ -207,7 +207,7 @@ pub fn evaluate(target: &Target, drafter: &Drafter, prompts: &[PromptItem], opts
     for (pi, item) in prompts.iter().enumerate() {
         let mut messages: Vec<Message> = Vec::new();
         for (ti, turn) in item.turns.iter().enumerate() {
-            messages.push(Message { role: "user".into(), content: turn.clone() });
+            messages.push(Message::new("user", turn.clone()));
             let ids = target.prompt_ids(&messages)?;
             let seed = opts.seed.wrapping_add((pi * 16 + ti) as u64);
             let stop = StopRule { max_new_tokens: opts.max_tokens, eos_ids: &eos };
@@ -228,7 +228,7 @@ pub fn evaluate(target: &Target, drafter: &Drafter, prompts: &[PromptItem], opts
             if reply.last().is_some_and(|t| target.tokenizer.is_eos(*t)) {
                 reply.pop();
             }
-            messages.push(Message { role: "assistant".into(), content: target.tokenizer.decode(&reply)? });
+            messages.push(Message::new("assistant", target.tokenizer.decode(&reply)?));
             turns.push(TurnResult {
                 prompt_id: item.id.clone(),
                 category: item.category.clone(),

@@ -141,7 +141,7 @@ pub fn rank_accuracy(target: &Target, drafter: &Drafter, prompts: &[PromptItem],
     let mut counts: Vec<usize> = Vec::new();
     let eos = target.tokenizer.eos_ids.clone();
     for item in prompts {
-        let ids = target.prompt_ids(&[crate::model::tokenizer::Message { role: "user".into(), content: item.turns[0].clone() }])?;
+        let ids = target.prompt_ids(&[crate::model::tokenizer::Message::new("user", item.turns[0].clone())])?;
         let stop = StopRule { max_new_tokens: max_tokens, eos_ids: &eos };
         let (out, _) = generate_plain(&target.model, &ids, &SamplingParams::greedy(), &stop, &mut rng(0), &mut |_| Ok(()))?;
         let mut seq = ids.clone();

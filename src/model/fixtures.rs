@@ -383,7 +383,7 @@ mod tests {
         std::fs::write(&tc, v.to_string()).unwrap();
         let t = crate::model::loader::Target::load(&dir, &Device::Cpu).unwrap();
         assert!(t.plain_prompts_note().unwrap().contains("no chat template"));
-        let m = |c: &str| crate::model::tokenizer::Message { role: "user".into(), content: c.into() };
+        let m = |c: &str| crate::model::tokenizer::Message::new("user", c);
         assert_eq!(t.prompt_ids(&[m("the cat"), m("the dog")]).unwrap(), t.tokenizer.encode("the cat\nthe dog", true).unwrap());
         std::fs::remove_dir_all(&dir).ok();
     }
@@ -403,7 +403,7 @@ mod tests {
         assert!(!t.encode_prompt("the cat", false).unwrap().is_empty());
         let e = t.encode_prompt("the cat", true).unwrap_err().to_string();
         assert!(e.contains("does not parse") && e.contains("without --chat"), "{e}");
-        let m = [crate::model::tokenizer::Message { role: "user".into(), content: "hi".into() }];
+        let m = [crate::model::tokenizer::Message::new("user", "hi")];
         assert!(t.render_conversation(&m).is_err(), "a broken template must not silently become joined turns");
         std::fs::remove_dir_all(&dir).ok();
     }

@@ -86,7 +86,7 @@ impl Target {
     pub fn user_turn_prefix_ids(&self) -> Result<Vec<u32>> {
         const MARK: &str = "\u{1}selfspec-user-turn\u{1}";
         let t = self.template()?;
-        let text = t.render(&[crate::model::tokenizer::Message { role: "user".into(), content: MARK.into() }], false, &self.tokenizer.bos_token, &self.tokenizer.eos_token)?;
+        let text = t.render(&[crate::model::tokenizer::Message::new("user", MARK)], false, &self.tokenizer.bos_token, &self.tokenizer.eos_token)?;
         let at = text.find(MARK).ok_or_else(|| Error::bad_file(&self.path, "the chat template does not put a user's message into its text verbatim, so the opening of a user turn cannot be cut from it"))?;
         self.tokenizer.encode(&text[..at], false)
     }
@@ -133,7 +133,7 @@ impl Target {
     /// Tokens for a prompt, through the chat template when `chat` is set.
     pub fn encode_prompt(&self, prompt: &str, chat: bool) -> Result<Vec<u32>> {
         if chat {
-            let text = self.chat_prompt(&[crate::model::tokenizer::Message { role: "user".into(), content: prompt.into() }])?;
+            let text = self.chat_prompt(&[crate::model::tokenizer::Message::new("user", prompt)])?;
             self.tokenizer.encode(&text, false)
         } else {
             self.tokenizer.encode(prompt, true)

@@ -293,6 +293,16 @@ pub struct ChatTemplate {
 pub struct Message {
     pub role: String,
     pub content: String,
+    /// The participant's name (OpenAI's `name`): the template sees it as `message.name`; most
+    /// templates ignore it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+impl Message {
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Message { role: role.into(), content: content.into(), name: None }
+    }
 }
 
 impl ChatTemplate {
@@ -384,7 +394,7 @@ mod tests {
     fn chatml_template_renders() {
         let src = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content.strip() }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
         let t = ChatTemplate::new(src.into()).unwrap();
-        let out = t.render(&[Message { role: "user".into(), content: " hi ".into() }], true, "", "").unwrap();
+        let out = t.render(&[Message::new("user", " hi ")], true, "", "").unwrap();
         assert_eq!(out, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
         assert!(ChatTemplate::new("{% for %}".into()).is_err());
     }

@@ -32,9 +32,17 @@ impl ApiError {
     }
 }
 
-/// Sampling and length fields common to both endpoints.
+/// A request body of either endpoint: chat's `messages` or completions' `prompt`, beside the
+/// sampling and length fields both take. One flat struct (no nested `#[serde(flatten)]`), so a
+/// field of the wrong type is named by its path in the 400.
 #[derive(Debug, Deserialize, Default)]
-pub struct Common {
+#[serde(expecting = "a JSON object")]
+pub struct Request {
+    /// `/v1/chat/completions`.
+    pub messages: Option<Vec<ChatMessage>>,
+    /// `/v1/completions`: a string, a list of one string, token ids, or a list of one list of
+    /// token ids.
+    pub prompt: Option<Value>,
     pub model: Option<String>,
     pub max_tokens: Option<u64>,
     pub max_completion_tokens: Option<u64>,
@@ -48,56 +56,80 @@ pub struct Common {
     pub top_k: Option<i64>,
     pub min_p: Option<f32>,
     pub repetition_penalty: Option<f32>,
-    #[serde(default)]
-    pub stream: bool,
+    pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
     pub n: Option<u64>,
     /// Accepted (OpenAI's end-user id: nothing to do with decoding).
     pub user: Option<String>,
-    /// Everything else, refused by name.
+    /// Everything else: refused by name unless it asks for nothing ([`asks_for_nothing`]).
     #[serde(flatten)]
     pub other: BTreeMap<String, Value>,
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(untagged)]
+#[serde(untagged, expecting = "a string or a list of strings")]
 pub enum Stop {
     One(String),
     Many(Vec<String>),
 }
 
 #[derive(Debug, Deserialize, Default)]
+#[serde(expecting = "an object")]
 pub struct StreamOptions {
-    #[serde(default)]
-    pub include_usage: bool,
-}
-
-#[derive(Debug, Deserialize)]
-pub struct ChatRequest {
-    pub messages: Vec<ChatMessage>,
+    pub include_usage: Option<bool>,
+    /// vLLM's extension: usage in every chunk.
+    pub continuous_usage_stats: Option<bool>,
     #[serde(flatten)]
-    pub common: Common,
+    pub other: BTreeMap<String, Value>,
 }
 
 #[derive(Debug, Deserialize)]
+#[serde(expecting = "a message object ({\"role\": ..., \"content\": ...})")]
 pub struct ChatMessage {
     pub role: String,
-    pub content: Content,
+    /// Null only in an assistant turn (OpenAI's schema: an assistant message that called tools).
+    pub content: Option<Content>,
+    /// The participant's name, passed to the chat template (as vLLM does; most ignore it).
+    pub name: Option<String>,
+    #[serde(flatten)]
+    pub other: BTreeMap<String, Value>,
 }
 
 /// A message's content: a string, or a list of text parts.
 #[derive(Debug, Deserialize)]
-#[serde(untagged)]
+#[serde(untagged, expecting = "a string or a list of content parts")]
 pub enum Content {
     Text(String),
     Parts(Vec<Value>),
 }
 
-#[derive(Debug, Deserialize)]
-pub struct CompletionRequest {
-    pub prompt: Value,
-    #[serde(flatten)]
-    pub common: Common,
+/// A completion's prompt after [`Request::prompt`]: text to tokenize, or token ids as given.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    Text(String),
+    Ids(Vec<u32>),
+}
+
+/// Whether an unsupported field's value asks for nothing, so a client that sends every field
+/// at its default is served: an empty `logit_bias` or `tools`, `tool_choice` "none", `echo`
+/// false, `best_of` 1, `response_format` text, and so on.
+pub fn asks_for_nothing(key: &str, v: &Value) -> bool {
+    let empty = |v: &Value| v.as_object().is_some_and(|o| o.is_empty()) || v.as_array().is_some_and(|a| a.is_empty());
+    match key {
+        _ if v.is_null() => true,
+        "logit_bias" | "tools" | "functions" => empty(v),
+        "tool_choice" | "function_call" => v == "none" || v == "auto",
+        // Without tools there is nothing to call in parallel; metadata only tags stored output.
+        "parallel_tool_calls" => v.is_boolean(),
+        "metadata" => v.is_object(),
+        "logprobs" | "echo" | "store" => v == false,
+        "best_of" => v == 1,
+        "top_logprobs" => v == 0,
+        "response_format" => v.get("type").is_some_and(|t| t == "text") && v.as_object().is_some_and(|o| o.len() == 1),
+        "service_tier" => v == "auto" || v == "default",
+        "suffix" => v == "",
+        _ => false,
+    }
 }
 
 /// The most new tokens a request may ask for when it says nothing (as llama.cpp's server, the
@@ -115,30 +147,53 @@ pub struct Decoding {
     pub seed: Option<u64>,
     pub stop: Vec<String>,
     pub stream: bool,
+    /// A last chunk with the usage (`stream_options.include_usage`; the others carry `"usage": null`).
     pub include_usage: bool,
+    /// The usage so far in every chunk (vLLM's `stream_options.continuous_usage_stats`).
+    pub continuous_usage: bool,
 }
 
-/// Parse a JSON body into `T`, as a 400 naming what is wrong.
+/// Parse a JSON body into `T`, as a 400 naming what is wrong: the body when it is not JSON,
+/// the field (by its path, e.g. `messages[1].content`) when one has the wrong type.
 pub fn parse<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, ApiError> {
-    serde_json::from_slice(body).map_err(|e| ApiError::invalid(None, format!("the request body is not valid JSON for this endpoint: {e}")))
+    let not_json = |e: serde_json::Error| ApiError::invalid(None, format!("the request body is not valid JSON: {e}"));
+    let de = &mut serde_json::Deserializer::from_slice(body);
+    let v = serde_path_to_error::deserialize(&mut *de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        match (inner.classify(), path.as_str()) {
+            (serde_json::error::Category::Data, ".") => ApiError::invalid(None, format!("the request body: {inner}")),
+            (serde_json::error::Category::Data, p) => ApiError::invalid(Some(p), format!("{p}: {inner}")),
+            _ => not_json(inner),
+        }
+    })?;
+    de.end().map_err(not_json)?;
+    Ok(v)
 }
 
-impl Common {
+/// The message of a sampling parameter out of range, as [`SamplingParams::validate`] words it.
+fn range_error(p: SamplingParams) -> Option<String> {
+    p.validate().err().map(|e| match e {
+        crate::error::Error::InvalidArgument(m) => m,
+        e => e.to_string(),
+    })
+}
+
+impl Request {
     /// Check the fields against what the server does and turn them into decoding parameters.
     /// OpenAI's defaults: temperature 1, top_p 1; `model` must name the served model.
     pub fn decoding(&self, served: &str) -> Result<Decoding, ApiError> {
-        if let Some((k, _)) = self.other.iter().find(|(_, v)| !v.is_null()) {
+        if let Some((k, _)) = self.other.iter().find(|(k, v)| !asks_for_nothing(k, v)) {
             let what = match k.as_str() {
-                "tools" | "tool_choice" | "functions" | "function_call" | "parallel_tool_calls" => "tool calling is not supported",
+                "tools" | "tool_choice" | "functions" | "function_call" => "tool calling is not supported",
                 "logprobs" | "top_logprobs" | "echo" | "best_of" | "suffix" => "log-probabilities, echo, best_of and suffix are not supported",
-                "response_format" => "structured output (response_format) is not supported",
+                "response_format" => "structured output (response_format other than text) is not supported",
                 "logit_bias" => "logit_bias is not supported",
+                "store" => "stored completions are not supported",
+                "service_tier" => "only the default service tier is served",
                 _ => "unknown or unsupported parameter",
             };
-            // `logprobs: false` asks for nothing.
-            if !(k == "logprobs" && self.other[k] == Value::Bool(false)) {
-                return Err(ApiError::invalid(Some(k), format!("{k}: {what}")));
-            }
+            return Err(ApiError::invalid(Some(k), format!("{k}: {what}")));
         }
         match self.model.as_deref() {
             None => return Err(ApiError::invalid(Some("model"), format!("model is required (this server serves '{served}')"))),
@@ -175,7 +230,23 @@ impl Common {
         if params.temperature > 100.0 {
             return Err(ApiError::invalid(Some("temperature"), format!("temperature must be in [0, 100], got {}", params.temperature)));
         }
-        params.validate().map_err(|e| ApiError::invalid(None, e.to_string()))?;
+        // Each field alone against the defaults, so the 400 names the one out of range.
+        let d = SamplingParams::default();
+        for (name, alone) in [
+            ("temperature", SamplingParams { temperature: params.temperature, ..d }),
+            ("top_p", SamplingParams { top_p: params.top_p, ..d }),
+            ("min_p", SamplingParams { min_p: params.min_p, ..d }),
+            ("repetition_penalty", SamplingParams { repetition_penalty: params.repetition_penalty, ..d }),
+            ("presence_penalty", SamplingParams { presence_penalty: params.presence_penalty, ..d }),
+            ("frequency_penalty", SamplingParams { frequency_penalty: params.frequency_penalty, ..d }),
+        ] {
+            if let Some(m) = range_error(alone) {
+                return Err(ApiError::invalid(Some(name), m));
+            }
+        }
+        if let Some(m) = range_error(params.clone()) {
+            return Err(ApiError::invalid(None, m));
+        }
         let stop = match &self.stop {
             None => Vec::new(),
             Some(Stop::One(s)) => vec![s.clone()],
@@ -184,59 +255,103 @@ impl Common {
         if stop.len() > MAX_STOPS || stop.iter().any(|s| s.len() > MAX_STOP_LEN) {
             return Err(ApiError::invalid(Some("stop"), format!("at most {MAX_STOPS} stop strings of at most {MAX_STOP_LEN} bytes")));
         }
+        let stream = self.stream.unwrap_or(false);
+        let opts = self.stream_options.as_ref();
+        if let Some(o) = opts {
+            if !stream {
+                return Err(ApiError::invalid(Some("stream_options"), "stream_options is only allowed when stream is true"));
+            }
+            if let Some((k, _)) = o.other.iter().find(|(_, v)| !v.is_null()) {
+                return Err(ApiError::invalid(Some(&format!("stream_options.{k}")), format!("stream_options.{k}: unknown or unsupported option")));
+            }
+        }
         Ok(Decoding {
             params,
             max_tokens: usize::try_from(max_tokens).unwrap_or(usize::MAX),
             seed: self.seed,
             stop,
-            stream: self.stream,
-            include_usage: self.stream_options.as_ref().is_some_and(|o| o.include_usage),
+            stream,
+            include_usage: opts.and_then(|o| o.include_usage).unwrap_or(false),
+            continuous_usage: opts.and_then(|o| o.continuous_usage_stats).unwrap_or(false),
         })
     }
-}
 
-impl ChatRequest {
-    /// The conversation as the chat template's messages (system, user and assistant turns).
+    /// The conversation as the chat template's messages (system, user and assistant turns), for
+    /// `/v1/chat/completions`.
     pub fn messages(&self) -> Result<Vec<Message>, ApiError> {
-        if self.messages.is_empty() {
+        if self.prompt.is_some() {
+            return Err(ApiError::invalid(Some("prompt"), "prompt is for /v1/completions; a chat request sends messages"));
+        }
+        let Some(messages) = &self.messages else {
+            return Err(ApiError::invalid(Some("messages"), "messages is required"));
+        };
+        if messages.is_empty() {
             return Err(ApiError::invalid(Some("messages"), "messages is empty"));
         }
-        self.messages
+        messages
             .iter()
             .enumerate()
             .map(|(i, m)| {
+                let field = |f: &str| format!("messages[{i}].{f}");
                 let role = match m.role.as_str() {
                     "system" | "developer" => "system",
                     "user" => "user",
                     "assistant" => "assistant",
-                    other => return Err(ApiError::invalid(Some(&format!("messages[{i}].role")), format!("role '{other}' is not supported (system, user, assistant)"))),
+                    other => return Err(ApiError::invalid(Some(&field("role")), format!("role '{other}' is not supported (system, user, assistant)"))),
                 };
+                if let Some((k, _)) = m.other.iter().find(|(k, v)| !(v.is_null() || (k.as_str() == "tool_calls" && v.as_array().is_some_and(|a| a.is_empty())))) {
+                    let why = if k == "tool_calls" { "tool calling is not supported" } else { "unknown or unsupported message field" };
+                    return Err(ApiError::invalid(Some(&field(k)), format!("{}: {why}", field(k))));
+                }
                 let content = match &m.content {
-                    Content::Text(s) => s.clone(),
-                    Content::Parts(parts) => {
-                        let mut s = String::new();
+                    None if role == "assistant" => String::new(),
+                    None => return Err(ApiError::invalid(Some(&field("content")), format!("{}: a {role} message needs content", field("content")))),
+                    Some(Content::Text(s)) => s.clone(),
+                    // Text parts joined by newlines, as vLLM joins them.
+                    Some(Content::Parts(parts)) => {
+                        let mut texts = Vec::with_capacity(parts.len());
                         for p in parts {
                             match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
-                                (Some("text"), Some(t)) => s.push_str(t),
-                                _ => return Err(ApiError::invalid(Some(&format!("messages[{i}].content")), "only text content parts are supported")),
+                                (Some("text"), Some(t)) => texts.push(t),
+                                _ => return Err(ApiError::invalid(Some(&field("content")), "only text content parts are supported")),
                             }
                         }
-                        s
+                        texts.join("\n")
                     }
                 };
-                Ok(Message { role: role.into(), content })
+                Ok(Message { role: role.into(), content, name: m.name.clone() })
             })
             .collect()
     }
-}
 
-impl CompletionRequest {
-    /// The raw prompt (one string; a list of one string is taken too).
-    pub fn prompt(&self) -> Result<String, ApiError> {
+    /// The prompt of `/v1/completions`: one string (a list of one is taken too) or one list of
+    /// token ids below `vocab` (or a list of one such list).
+    pub fn prompt(&self, vocab: usize) -> Result<Prompt, ApiError> {
+        if self.messages.is_some() {
+            return Err(ApiError::invalid(Some("messages"), "messages is for /v1/chat/completions; a completion request sends prompt"));
+        }
+        let batch = || ApiError::invalid(Some("prompt"), "one prompt per request: batches of prompts are not supported (send one request each)");
+        let ids = |a: &[Value]| -> Result<Prompt, ApiError> {
+            let mut out = Vec::with_capacity(a.len());
+            for v in a {
+                match v.as_u64() {
+                    Some(id) if (id as usize) < vocab => out.push(id as u32),
+                    _ => return Err(ApiError::invalid(Some("prompt"), format!("prompt: token ids must be integers in [0, {vocab}), got {v}"))),
+                }
+            }
+            Ok(Prompt::Ids(out))
+        };
         match &self.prompt {
-            Value::String(s) => Ok(s.clone()),
-            Value::Array(a) if a.len() == 1 && a[0].is_string() => Ok(a[0].as_str().unwrap_or_default().to_string()),
-            _ => Err(ApiError::invalid(Some("prompt"), "prompt must be a string (batches of prompts are not supported: send one request each)")),
+            None => Err(ApiError::invalid(Some("prompt"), "prompt is required")),
+            Some(Value::String(s)) => Ok(Prompt::Text(s.clone())),
+            Some(Value::Array(a)) if a.iter().all(Value::is_number) => ids(a),
+            Some(Value::Array(a)) if a.len() == 1 => match &a[0] {
+                Value::String(s) => Ok(Prompt::Text(s.clone())),
+                Value::Array(inner) if inner.iter().all(Value::is_number) => ids(inner),
+                _ => Err(ApiError::invalid(Some("prompt"), "prompt must be a string or a list of token ids")),
+            },
+            Some(Value::Array(_)) => Err(batch()),
+            Some(_) => Err(ApiError::invalid(Some("prompt"), "prompt must be a string or a list of token ids")),
         }
     }
 }
@@ -254,7 +369,7 @@ mod tests {
     use super::*;
 
     fn common(v: Value) -> Result<Decoding, ApiError> {
-        serde_json::from_value::<Common>(v).unwrap().decoding("m")
+        serde_json::from_value::<Request>(v).unwrap().decoding("m")
     }
 
     #[test]
@@ -267,32 +382,87 @@ mod tests {
             (serde_json::json!({"model": "m", "n": 2}), "n", 400),
             (serde_json::json!({"model": "m", "tools": [{"type": "function"}]}), "tools", 400),
             (serde_json::json!({"model": "m", "logit_bias": {"1": 2}}), "logit_bias", 400),
+            (serde_json::json!({"model": "m", "echo": true}), "echo", 400),
+            (serde_json::json!({"model": "m", "response_format": {"type": "json_object"}}), "response_format", 400),
             (serde_json::json!({"model": "m", "frobnicate": 1}), "frobnicate", 400),
             (serde_json::json!({"model": "other"}), "model", 404),
             (serde_json::json!({}), "model", 400),
             (serde_json::json!({"model": "m", "max_tokens": 0}), "max_tokens", 400),
             (serde_json::json!({"model": "m", "top_k": -3}), "top_k", 400),
+            (serde_json::json!({"model": "m", "top_p": 1.5}), "top_p", 400),
+            (serde_json::json!({"model": "m", "temperature": -1}), "temperature", 400),
+            (serde_json::json!({"model": "m", "min_p": 2}), "min_p", 400),
+            (serde_json::json!({"model": "m", "presence_penalty": 3}), "presence_penalty", 400),
+            (serde_json::json!({"model": "m", "repetition_penalty": 0}), "repetition_penalty", 400),
             (serde_json::json!({"model": "m", "stop": ["a", "b", "c", "d", "e"]}), "stop", 400),
+            (serde_json::json!({"model": "m", "stream_options": {"include_usage": true}}), "stream_options", 400),
+            (serde_json::json!({"model": "m", "stream": true, "stream_options": {"frob": 1}}), "stream_options.frob", 400),
         ] {
             let e = common(body.clone()).unwrap_err();
             assert_eq!((e.status, e.param.as_deref()), (status, Some(param)), "{body}: {e:?}");
         }
         let e = common(serde_json::json!({"model": "m", "top_p": 0})).unwrap_err();
-        assert!(e.message.contains("top-p"), "{e:?}");
+        assert!(e.message.starts_with("top-p"), "{e:?}");
         assert_eq!(e.body()["error"]["type"], "invalid_request_error");
+        // Unsupported fields at values that ask for nothing are served, as vLLM serves them.
+        let d = common(serde_json::json!({"model": "m", "logit_bias": {}, "tools": [], "tool_choice": "none", "parallel_tool_calls": false, "response_format": {"type": "text"},
+            "echo": false, "best_of": 1, "top_logprobs": 0, "store": false, "metadata": {"a": "b"}, "service_tier": "auto", "stream": null, "suffix": null}));
+        assert!(d.is_ok(), "{d:?}");
+        let d = common(serde_json::json!({"model": "m", "stream": true, "stream_options": {"include_usage": true, "continuous_usage_stats": true}})).unwrap();
+        assert!(d.stream && d.include_usage && d.continuous_usage);
+    }
+
+    #[test]
+    fn a_field_of_the_wrong_type_is_named_by_its_path() {
+        for (body, param) in [
+            (r#"{"model":"m","max_tokens":"5"}"#, Some("max_tokens")),
+            (r#"{"model":"m","stream":3}"#, Some("stream")),
+            (r#"{"model":"m","messages":[{"role":"user","content":7}]}"#, Some("messages[0].content")),
+            (r#"{"model":"m","stop":[1]}"#, Some("stop")),
+            (r#"[1, 2]"#, None),
+        ] {
+            let e = parse::<Request>(body.as_bytes()).unwrap_err();
+            assert_eq!(e.param.as_deref(), param, "{body}: {e:?}");
+            assert!(!e.message.contains("not valid JSON") && !e.message.contains("struct") && !e.message.contains("enum"), "{body}: {e:?}");
+        }
+        for body in ["{not json", "", r#"{"model":"m"} x"#] {
+            let e = parse::<Request>(body.as_bytes()).unwrap_err();
+            assert!(e.message.contains("not valid JSON") && e.param.is_none(), "{body:?}: {e:?}");
+        }
     }
 
     #[test]
     fn chat_messages_take_strings_and_text_parts_only() {
-        let r: ChatRequest = parse(br#"{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"text","text":"hi "},{"type":"text","text":"there"}]}]}"#).unwrap();
+        let r: Request = parse(br#"{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"user","name":"ann","content":[{"type":"text","text":"hi"},{"type":"text","text":"there"}]},{"role":"assistant","content":null,"tool_calls":[]}]}"#).unwrap();
         let m = r.messages().unwrap();
-        assert_eq!((m[0].role.as_str(), m[1].content.as_str()), ("system", "hi there"));
-        let r: ChatRequest = parse(br#"{"model":"m","messages":[{"role":"tool","content":"x"}]}"#).unwrap();
-        assert_eq!(r.messages().unwrap_err().param.as_deref(), Some("messages[0].role"));
-        let r: ChatRequest = parse(br#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{}}]}]}"#).unwrap();
-        assert!(r.messages().is_err());
-        assert!(parse::<ChatRequest>(b"{not json").unwrap_err().message.contains("not valid JSON"));
-        let c: CompletionRequest = parse(br#"{"model":"m","prompt":["a", "b"]}"#).unwrap();
-        assert!(c.prompt().is_err());
+        assert_eq!((m[0].role.as_str(), m[1].content.as_str(), m[1].name.as_deref(), m[2].content.as_str()), ("system", "hi\nthere", Some("ann"), ""));
+        for (body, param) in [
+            (r#"{"model":"m","messages":[{"role":"tool","content":"x"}]}"#, "messages[0].role"),
+            (r#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{}}]}]}"#, "messages[0].content"),
+            (r#"{"model":"m","messages":[{"role":"user","content":null}]}"#, "messages[0].content"),
+            (r#"{"model":"m","messages":[{"role":"assistant","content":"x","tool_calls":[{"id":"1"}]}]}"#, "messages[0].tool_calls"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x","frob":1}]}"#, "messages[0].frob"),
+            (r#"{"model":"m","messages":[]}"#, "messages"),
+            (r#"{"model":"m"}"#, "messages"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"prompt":"y"}"#, "prompt"),
+        ] {
+            let e = parse::<Request>(body.as_bytes()).unwrap().messages().unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param), "{body}: {e:?}");
+        }
+    }
+
+    #[test]
+    fn completion_prompts_are_one_string_or_one_list_of_token_ids() {
+        let p = |body: &str| parse::<Request>(body.as_bytes()).unwrap().prompt(100);
+        assert_eq!(p(r#"{"prompt":"a"}"#).unwrap(), Prompt::Text("a".into()));
+        assert_eq!(p(r#"{"prompt":["a"]}"#).unwrap(), Prompt::Text("a".into()));
+        assert_eq!(p(r#"{"prompt":[5, 99]}"#).unwrap(), Prompt::Ids(vec![5, 99]));
+        assert_eq!(p(r#"{"prompt":[[5]]}"#).unwrap(), Prompt::Ids(vec![5]));
+        for body in [r#"{"prompt":["a","b"]}"#, r#"{"prompt":[[1],[2]]}"#, r#"{"prompt":[100]}"#, r#"{"prompt":[-1]}"#, r#"{"prompt":[1.5]}"#, r#"{"prompt":7}"#, r#"{}"#, r#"{"prompt":"a","messages":[]}"#] {
+            let e = p(body).unwrap_err();
+            assert!(e.param.as_deref() == Some("prompt") || e.param.as_deref() == Some("messages"), "{body}: {e:?}");
+        }
+        assert!(p(r#"{"prompt":[[1],[2]]}"#).unwrap_err().message.contains("batches"));
+        assert!(p(r#"{"prompt":[100]}"#).unwrap_err().message.contains("[0, 100)"));
     }
 }

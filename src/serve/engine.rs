@@ -263,10 +263,10 @@ fn run(target: &Target, drafter: Option<&Drafter>, datastore: Option<&Datastore>
                 }
             }
         }
+        m.batch_size.store(active.len(), Ordering::Relaxed);
         if active.is_empty() {
             continue;
         }
-        m.batch_size.store(active.len(), Ordering::Relaxed);
         step_no += 1;
         // A sequence's own error ends that sequence alone (inside `step`); an error or a panic
         // in what they share (the forward) leaves every cache in an unknown state: end all of

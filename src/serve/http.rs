@@ -20,7 +20,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use crate::model::loader::Target;
-use crate::serve::api::{parse, ApiError, ChatRequest, CompletionRequest, Decoding};
+use crate::serve::api::{parse, ApiError, Decoding, Prompt, Request as ApiRequest};
 use crate::serve::engine::{EngineHandle, Event, Job, Refused, Summary};
 
 /// The page at `/`: one self-contained file (no framework, no CDN).
@@ -55,6 +55,7 @@ pub fn router(state: Arc<AppState>, body_limit: usize) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
         .route("/metrics", get(metrics))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth));
     Router::new()
@@ -62,6 +63,7 @@ pub fn router(state: Arc<AppState>, body_limit: usize) -> Router {
         .route("/health", get(health))
         .merge(api)
         .fallback(|| async { ApiError { status: 404, message: "no such endpoint".into(), kind: "invalid_request_error", param: None, code: Some("not_found") } })
+        .method_not_allowed_fallback(|req: Request| async move { ApiError { status: 405, message: format!("{} is not allowed on {}", req.method(), req.uri().path()), kind: "invalid_request_error", param: None, code: Some("method_not_allowed") } })
         .layer(tower_http::limit::RequestBodyLimitLayer::new(body_limit))
         .layer(axum::middleware::map_response(json_payload_too_large))
         .with_state(state)
@@ -79,12 +81,24 @@ async fn json_payload_too_large(res: Response) -> Response {
 
 async fn auth(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     if let Some(key) = &s.api_key {
-        let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
-        if given != Some(key.as_str()) {
+        let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(bearer);
+        if !given.is_some_and(|g| same_key(g.as_bytes(), key.as_bytes())) {
             return ApiError { status: 401, message: "a valid API key is required (Authorization: Bearer KEY)".into(), kind: "invalid_request_error", param: None, code: Some("invalid_api_key") }.into_response();
         }
     }
     next.run(req).await
+}
+
+/// The credentials of an `Authorization: Bearer ...` header (the scheme's name is
+/// case-insensitive, RFC 7235).
+fn bearer(v: &str) -> Option<&str> {
+    let (scheme, rest) = v.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| rest.trim())
+}
+
+/// Compare keys in time that depends on their lengths only, not on where they first differ.
+fn same_key(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// 200 while the engine decodes; 503 once it has stopped (a load balancer then looks elsewhere).
@@ -96,9 +110,23 @@ async fn health(State(s): State<Arc<AppState>>) -> Response {
     }
 }
 
+/// The served model as `/v1/models` lists it.
+fn model_card(s: &AppState) -> Value {
+    json!({"id": s.model_name, "object": "model", "created": s.started, "owned_by": "selfspec",
+        "selfspec": {"path": s.target.path.display().to_string(), "weights": s.target.model.weight_format().to_string(), "context": s.target.model.config().max_position, "drafter": s.drafter}})
+}
+
 async fn models(State(s): State<Arc<AppState>>) -> Json<Value> {
-    Json(json!({"object": "list", "data": [{"id": s.model_name, "object": "model", "created": s.started, "owned_by": "selfspec",
-        "selfspec": {"path": s.target.path.display().to_string(), "weights": s.target.model.weight_format().to_string(), "context": s.target.model.config().max_position, "drafter": s.drafter}}]}))
+    Json(json!({"object": "list", "data": [model_card(&s)]}))
+}
+
+/// `GET /v1/models/{id}` (the SDKs' `models.retrieve`).
+async fn model(State(s): State<Arc<AppState>>, axum::extract::Path(id): axum::extract::Path<String>) -> Response {
+    if id == s.model_name {
+        Json(model_card(&s)).into_response()
+    } else {
+        ApiError { status: 404, message: format!("the model '{id}' does not exist (this server serves '{}')", s.model_name), kind: "invalid_request_error", param: Some("model".into()), code: Some("model_not_found") }.into_response()
+    }
 }
 
 async fn metrics(State(s): State<Arc<AppState>>) -> impl IntoResponse {
@@ -141,8 +169,8 @@ enum Kind {
 async fn chat(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
     let st = s.clone();
     let parsed = blocking(move || {
-        let req: ChatRequest = parse(&body)?;
-        let d = req.common.decoding(&st.model_name)?;
+        let req: ApiRequest = parse(&body)?;
+        let d = req.decoding(&st.model_name)?;
         let messages = req.messages()?;
         let ids = st.target.prompt_ids(&messages).map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
         Ok((ids, d))
@@ -157,9 +185,12 @@ async fn chat(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
 async fn completions(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
     let st = s.clone();
     let parsed = blocking(move || {
-        let req: CompletionRequest = parse(&body)?;
-        let d = req.common.decoding(&st.model_name)?;
-        let ids = st.target.tokenizer.encode(&req.prompt()?, true).map_err(|e| ApiError::invalid(Some("prompt"), e.to_string()))?;
+        let req: ApiRequest = parse(&body)?;
+        let d = req.decoding(&st.model_name)?;
+        let ids = match req.prompt(st.target.model.config().vocab_size)? {
+            Prompt::Text(text) => st.target.tokenizer.encode(&text, true).map_err(|e| ApiError::invalid(Some("prompt"), e.to_string()))?,
+            Prompt::Ids(ids) => ids,
+        };
         Ok((ids, d))
     })
     .await;
@@ -178,12 +209,14 @@ async fn blocking(f: impl FnOnce() -> Result<(Vec<u32>, Decoding), ApiError> + S
 /// Queue the request and answer it, whole or streamed.
 async fn answer(s: &Arc<AppState>, kind: Kind, ids: Vec<u32>, d: Decoding) -> Response {
     let context = s.target.model.config().max_position;
+    let param = if kind == Kind::Chat { "messages" } else { "prompt" };
     if ids.is_empty() {
-        return ApiError::invalid(Some("prompt"), "the prompt is empty").into_response();
+        return ApiError::invalid(Some(param), "the prompt is empty").into_response();
     }
     if ids.len() >= context {
-        return ApiError { status: 400, message: format!("the prompt is {} tokens; this model's context is {context}", ids.len()), kind: "invalid_request_error", param: Some("messages".into()), code: Some("context_length_exceeded") }.into_response();
+        return ApiError { status: 400, message: format!("the prompt is {} tokens; this model's context is {context}", ids.len()), kind: "invalid_request_error", param: Some(param.into()), code: Some("context_length_exceeded") }.into_response();
     }
+    let prompt_tokens = ids.len();
     let seed = d.seed.unwrap_or_else(|| now() ^ s.next_id.load(Ordering::Relaxed).wrapping_mul(0x9E37_79B9_7F4A_7C15));
     let (tx, rx) = unbounded_channel();
     let job = Job { prompt: ids, params: d.params.clone(), max_tokens: d.max_tokens, seed, stop: d.stop.clone(), events: tx };
@@ -199,7 +232,7 @@ async fn answer(s: &Arc<AppState>, kind: Kind, ids: Vec<u32>, d: Decoding) -> Re
     let id = format!("{}-{}", if kind == Kind::Chat { "chatcmpl" } else { "cmpl" }, s.next_id.fetch_add(1, Ordering::Relaxed));
     let meta = Meta { id, created: now(), model: s.model_name.clone(), kind };
     if d.stream {
-        stream(meta, rx, d.include_usage).into_response()
+        stream(meta, rx, &d, prompt_tokens).into_response()
     } else {
         whole(meta, rx).await
     }
@@ -251,22 +284,32 @@ async fn whole(meta: Meta, mut rx: UnboundedReceiver<Event>) -> Response {
 
 /// Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`. A task forwards the
 /// engine's events and drops them (so the engine ends the sequence) when the client is gone.
-fn stream(meta: Meta, mut rx: UnboundedReceiver<Event>, include_usage: bool) -> impl IntoResponse {
+/// With `stream_options.include_usage` every chunk carries `"usage": null` and a last chunk
+/// with no choices the usage; with vLLM's `continuous_usage_stats` too, every chunk the usage
+/// so far.
+fn stream(meta: Meta, mut rx: UnboundedReceiver<Event>, d: &Decoding, prompt_tokens: usize) -> impl IntoResponse {
     let (tx, out) = unbounded_channel::<Result<SseEvent, Infallible>>();
+    let (include_usage, continuous) = (d.include_usage, d.include_usage && d.continuous_usage);
     tokio::spawn(async move {
-        let chunk = |delta: Value, finish: Option<&str>, extra: Option<Value>| -> SseEvent {
+        let mut completion_tokens = 0;
+        let chunk = |delta: Value, finish: Option<&str>, extra: Option<Value>, done: usize| -> SseEvent {
             let choice = match meta.kind {
                 Kind::Chat => json!({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": null}),
                 Kind::Completion => json!({"index": 0, "text": delta.get("content").cloned().unwrap_or(json!("")), "finish_reason": finish, "logprobs": null}),
             };
             let mut v = json!({"id": meta.id, "object": meta.object(true), "created": meta.created, "model": meta.model, "choices": [choice]});
+            if continuous {
+                v["usage"] = json!({"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done});
+            } else if include_usage {
+                v["usage"] = Value::Null;
+            }
             if let Some(x) = extra {
                 v["selfspec"] = x;
             }
             SseEvent::default().data(v.to_string())
         };
         if meta.kind == Kind::Chat {
-            let _ = tx.send(Ok(chunk(json!({"role": "assistant", "content": ""}), None, None)));
+            let _ = tx.send(Ok(chunk(json!({"role": "assistant", "content": ""}), None, None, 0)));
         }
         loop {
             let ev = tokio::select! {
@@ -276,22 +319,20 @@ fn stream(meta: Meta, mut rx: UnboundedReceiver<Event>, include_usage: bool) -> 
             let Some(ev) = ev else { break };
             let sent = match ev {
                 Event::Text { text, tokens } => {
+                    completion_tokens += tokens.len();
                     let marks: Vec<Value> = tokens.iter().map(|&(id, d)| json!([id, d])).collect();
-                    tx.send(Ok(chunk(json!({"content": text}), None, Some(json!({"tokens": marks})))))
+                    tx.send(Ok(chunk(json!({"content": text}), None, Some(json!({"tokens": marks})), completion_tokens)))
                 }
                 Event::Failed(e) => {
                     let _ = tx.send(Ok(SseEvent::default().data(ApiError::server(500, e).body().to_string())));
                     break;
                 }
                 Event::Done(sum) => {
-                    let mut last = chunk(json!({}), Some(sum.finish_reason), Some(extension(&sum)));
+                    let _ = tx.send(Ok(chunk(json!({}), Some(sum.finish_reason), Some(extension(&sum)), sum.completion_tokens)));
                     if include_usage {
-                        let mut v = json!({"id": meta.id, "object": meta.object(true), "created": meta.created, "model": meta.model, "choices": [], "usage": usage(&sum), "selfspec": extension(&sum)});
-                        v["usage"] = usage(&sum);
-                        let _ = tx.send(Ok(last));
-                        last = SseEvent::default().data(v.to_string());
+                        let v = json!({"id": meta.id, "object": meta.object(true), "created": meta.created, "model": meta.model, "choices": [], "usage": usage(&sum), "selfspec": extension(&sum)});
+                        let _ = tx.send(Ok(SseEvent::default().data(v.to_string())));
                     }
-                    let _ = tx.send(Ok(last));
                     break;
                 }
             };

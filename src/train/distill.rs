@@ -93,7 +93,7 @@ pub fn answer(target: &Target, item: &PromptItem, params: &SamplingParams, max_t
     let mut total = 0;
     let mut r = rng(seed);
     for turn in &item.turns {
-        messages.push(Message { role: "user".into(), content: turn.clone() });
+        messages.push(Message::new("user", turn.clone()));
         let ids = target.prompt_ids(&messages)?;
         let stop = StopRule { max_new_tokens: max_tokens, eos_ids: &target.tokenizer.eos_ids };
         let (mut out, _) = generate_plain(&target.model, &ids, params, &stop, &mut r, &mut |_| Ok(()))?;
@@ -101,7 +101,7 @@ pub fn answer(target: &Target, item: &PromptItem, params: &SamplingParams, max_t
         if out.last().is_some_and(|t| target.tokenizer.is_eos(*t)) {
             out.pop();
         }
-        messages.push(Message { role: "assistant".into(), content: target.tokenizer.decode(&out)? });
+        messages.push(Message::new("assistant", target.tokenizer.decode(&out)?));
     }
     Ok(DistillRecord { id: item.id.clone(), messages, new_tokens: total })
 }
@@ -171,7 +171,7 @@ impl<'a> Slot<'a> {
     /// [`generate_plain`] does.
     fn start_turn(target: &Target, item: &'a PromptItem, turn: usize, messages: Vec<Message>, total: usize, rng: Rng64, max_tokens: usize) -> Result<Self> {
         let mut messages = messages;
-        messages.push(Message { role: "user".into(), content: item.turns[turn].clone() });
+        messages.push(Message::new("user", item.turns[turn].clone()));
         let ids = target.prompt_ids(&messages)?;
         // Many prompts are in flight at once, so say which one does not fit.
         let budget = check_budget(ids.len(), max_tokens, target.model.config().max_position)
@@ -232,7 +232,7 @@ pub fn answer_batch(
             if out.last().is_some_and(|t| target.tokenizer.is_eos(*t)) {
                 out.pop();
             }
-            messages.push(Message { role: "assistant".into(), content: target.tokenizer.decode(&out)? });
+            messages.push(Message::new("assistant", target.tokenizer.decode(&out)?));
             if turn + 1 < item.turns.len() {
                 // The next turn's prefill gives the logits for its first token: it takes slot i
                 // and chooses in this same pass.
