@@ -139,10 +139,16 @@ fn eight_concurrent_requests_get_exactly_what_generate_gives_them() {
         }
         assert_eq!(text, want[0].0);
         assert!(marks > 0, "no token was marked as drafted");
+        // vLLM's continuous_usage_stats: every chunk the usage so far, ending at the final count.
+        let body = json!({"model": "smollm2", "messages": [{"role": "user", "content": prompts[1]}], "temperature": 0, "max_tokens": 12, "stream": true, "stream_options": {"include_usage": true, "continuous_usage_stats": true}});
+        let resp = app.clone().oneshot(Request::post("/v1/chat/completions").header("content-type", "application/json").body(Body::from(body.to_string())).unwrap()).await.unwrap();
+        let raw = String::from_utf8(resp.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap();
+        let counts: Vec<u64> = raw.split("\n\n").filter_map(|e| e.strip_prefix("data: ")).filter(|e| *e != "[DONE]").map(|e| serde_json::from_str::<Value>(e).unwrap()["usage"]["completion_tokens"].as_u64().unwrap()).collect();
+        assert!(counts.len() > 2 && counts.windows(2).all(|w| w[0] <= w[1]) && *counts.last().unwrap() == 12, "{counts:?}");
         let m = app.clone().oneshot(Request::get("/metrics").body(Body::empty()).unwrap()).await.unwrap();
         let m = String::from_utf8(m.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap();
         let requests: f64 = m.lines().find_map(|l| l.strip_prefix("selfspec_requests_total ")).unwrap().parse().unwrap();
-        assert_eq!(requests, 17.0);
+        assert_eq!(requests, 18.0);
         assert!(m.contains("selfspec_tau ") && m.contains("# TYPE selfspec_batch_size gauge"), "{m}");
     });
     drop(app);
@@ -192,8 +198,10 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_going() {
         let get = |path: &str| Request::get(path).header("authorization", "Bearer sesame").body(Body::empty()).unwrap();
         let r = app.clone().oneshot(get("/v1/models/smollm2")).await.unwrap();
         assert_eq!(r.status(), StatusCode::OK);
-        let r = app.clone().oneshot(get("/v1/models/gpt-4")).await.unwrap();
+        let r = app.clone().oneshot(get("/v1/models/openai/gpt-4")).await.unwrap();
         assert_eq!(r.status(), StatusCode::NOT_FOUND);
+        let v404: Value = serde_json::from_slice(&r.into_body().collect().await.unwrap().to_bytes()).unwrap();
+        assert_eq!((v404["error"]["code"].as_str(), v404["error"]["param"].as_str()), (Some("model_not_found"), Some("model")));
         let r = app.clone().oneshot(get("/v1/chat/completions")).await.unwrap();
         assert_eq!(r.status(), StatusCode::METHOD_NOT_ALLOWED);
         let v405: Value = serde_json::from_slice(&r.into_body().collect().await.unwrap().to_bytes()).unwrap();

@@ -137,7 +137,8 @@ impl<'a> TextStream<'a> {
     }
 
     /// Whatever is left at the end, less a character cut short (the bytes of a character the
-    /// last tokens began and never finished, which decode as U+FFFD).
+    /// last tokens began and never finished, which decode as U+FFFD). A U+FFFD the model wrote
+    /// itself as the very last character goes too: the decoded text cannot tell them apart.
     pub fn finish(&mut self) -> Result<Option<String>> {
         let before = self.tok.decode(&self.tokens[self.prev..self.current])?;
         let mut now = self.tok.decode(&self.tokens[self.prev..])?;

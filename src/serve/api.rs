@@ -67,7 +67,7 @@ pub struct Request {
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(untagged, expecting = "a string or a list of strings")]
+#[serde(untagged, expecting = "expected a string or a list of strings")]
 pub enum Stop {
     One(String),
     Many(Vec<String>),
@@ -97,7 +97,7 @@ pub struct ChatMessage {
 
 /// A message's content: a string, or a list of text parts.
 #[derive(Debug, Deserialize)]
-#[serde(untagged, expecting = "a string or a list of content parts")]
+#[serde(untagged, expecting = "expected a string or a list of content parts")]
 pub enum Content {
     Text(String),
     Parts(Vec<Value>),
@@ -335,7 +335,7 @@ impl Request {
             let mut out = Vec::with_capacity(a.len());
             for v in a {
                 match v.as_u64() {
-                    Some(id) if (id as usize) < vocab => out.push(id as u32),
+                    Some(id) if usize::try_from(id).is_ok_and(|id| id < vocab) => out.push(id as u32),
                     _ => return Err(ApiError::invalid(Some("prompt"), format!("prompt: token ids must be integers in [0, {vocab}), got {v}"))),
                 }
             }
@@ -350,7 +350,7 @@ impl Request {
                 Value::Array(inner) if inner.iter().all(Value::is_number) => ids(inner),
                 _ => Err(ApiError::invalid(Some("prompt"), "prompt must be a string or a list of token ids")),
             },
-            Some(Value::Array(_)) => Err(batch()),
+            Some(Value::Array(a)) if a.iter().all(|v| v.is_string() || v.is_array()) => Err(batch()),
             Some(_) => Err(ApiError::invalid(Some("prompt"), "prompt must be a string or a list of token ids")),
         }
     }
@@ -423,7 +423,7 @@ mod tests {
         ] {
             let e = parse::<Request>(body.as_bytes()).unwrap_err();
             assert_eq!(e.param.as_deref(), param, "{body}: {e:?}");
-            assert!(!e.message.contains("not valid JSON") && !e.message.contains("struct") && !e.message.contains("enum"), "{body}: {e:?}");
+            assert!(!e.message.contains("not valid JSON") && !e.message.contains("struct") && !e.message.contains("enum") && e.message.contains("expected"), "{body}: {e:?}");
         }
         for body in ["{not json", "", r#"{"model":"m"} x"#] {
             let e = parse::<Request>(body.as_bytes()).unwrap_err();
@@ -463,6 +463,7 @@ mod tests {
             assert!(e.param.as_deref() == Some("prompt") || e.param.as_deref() == Some("messages"), "{body}: {e:?}");
         }
         assert!(p(r#"{"prompt":[[1],[2]]}"#).unwrap_err().message.contains("batches"));
+        assert!(!p(r#"{"prompt":[1,"a"]}"#).unwrap_err().message.contains("batches"));
         assert!(p(r#"{"prompt":[100]}"#).unwrap_err().message.contains("[0, 100)"));
     }
 }

@@ -55,7 +55,7 @@ pub fn router(state: Arc<AppState>, body_limit: usize) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
-        .route("/v1/models/{id}", get(model))
+        .route("/v1/models/{*id}", get(model))
         .route("/metrics", get(metrics))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth));
     Router::new()
@@ -155,7 +155,7 @@ async fn metrics(State(s): State<Arc<AppState>>) -> impl IntoResponse {
     put("tokens_per_second", "gauge", "Generated tokens per second of decoding (busy time).", if busy > 0.0 { g(&m.completion_tokens) as f64 / busy } else { 0.0 });
     put("last_step_tokens_per_second", "gauge", "Tokens per second of the last step.", g(&m.last_tok_s_milli) as f64 / 1e3);
     put("queue_depth", "gauge", "Requests waiting for a place in the batch.", m.queue_depth.load(Ordering::Relaxed) as f64);
-    put("batch_size", "gauge", "Sequences in the last step.", m.batch_size.load(Ordering::Relaxed) as f64);
+    put("batch_size", "gauge", "Sequences being decoded (0 when idle).", m.batch_size.load(Ordering::Relaxed) as f64);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out)
 }
 
@@ -343,4 +343,22 @@ fn stream(meta: Meta, mut rx: UnboundedReceiver<Event>, d: &Decoding, prompt_tok
         let _ = tx.send(Ok(SseEvent::default().data("[DONE]")));
     });
     Sse::new(UnboundedReceiverStream::new(out)).keep_alive(KeepAlive::default())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bearer_keys_are_read_and_compared_whole() {
+        assert_eq!(bearer("Bearer k1"), Some("k1"));
+        assert_eq!(bearer("bearer k1"), Some("k1"));
+        assert_eq!(bearer("BEARER  k1 "), Some("k1"));
+        assert_eq!(bearer("Basic k1"), None);
+        assert_eq!(bearer("Bearerk1"), None);
+        assert!(same_key(b"sesame", b"sesame"));
+        for wrong in [&b"sesamf"[..], b"Sesame", b"sesam", b"sesame!", b""] {
+            assert!(!same_key(wrong, b"sesame"), "{wrong:?}");
+        }
+    }
 }
