@@ -105,6 +105,17 @@ fn every_subcommand_refuses_bad_input_cleanly() {
         (gen(&["--drafter", &d, "--tree", "/dev/zero"]), &["/dev/zero"]),
         (gen(&["--drafter", &d, "--tree", &s(&write("rank-20.json", b"[[0],[20]]"))]), &["rank-20.json", "rank 20"]),
         (args(&["generate", "--model", &m, "--prompt", ""]), &["--prompt"]),
+        // Read before the model loads (a missing model here): the prompt file, the drafter
+        // directory, drafter flags without a drafter.
+        (args(&["generate", "--model", &missing, "--prompt-file", &s(&dir.join("no-prompt.txt"))]), &["--prompt-file", "no-prompt.txt"]),
+        (args(&["generate", "--model", &missing, "--prompt-file", &s(&dir)]), &["--prompt-file", "not a file"]),
+        (args(&["generate", "--model", &missing, "--prompt-file", &s(&write("bin.txt", b"ok \xff\xfe"))]), &["--prompt-file", "bin.txt", "UTF-8"]),
+        (args(&["generate", "--model", &missing, "--prompt", "x", "--prompt-file", &prompts]), &["--prompt", "cannot be used with"]),
+        (args(&["generate", "--model", &missing, "--prompt", "x", "--system", "be brief"]), &["--chat"]),
+        (args(&["generate", "--model", &missing, "--prompt", "x", "--drafter", "none"]), &["--drafter", "none", "no such directory"]),
+        (args(&["generate", "--model", &missing, "--prompt", "x", "--drafter", &prompts]), &["--drafter", "not a drafter directory"]),
+        (args(&["generate", "--model", &missing, "--prompt", "x", "--datastore", &prompts]), &["--drafter"]),
+        (args(&["generate", "--model", &missing, "--prompt", "x", "--draft-weights", "f16"]), &["--drafter"]),
         (args(&["train", "--model", &m, "--data", &prompts, "--out", &s(&dir.join("o6")), "--lr", "inf"]), &["--lr"]),
         (args(&["train", "--model", &m, "--data", &prompts, "--out", &s(&dir.join("o7")), "--layers", "100000"]), &["--layers", "16"]),
         (args(&["train", "--model", &m, "--data", &s(&dir.join("nope.txt")), "--out", &s(&dir.join("o8"))]), &["--data", "nope.txt"]),

@@ -162,7 +162,8 @@ fn bad_heads_and_trees() {
     let bad_tree = dir.join("tree.json");
     std::fs::write(&bad_tree, "[[0,1]]").unwrap();
     expect_error(&["generate", "--model", m, "--prompt", "the", "--drafter", hs, "--tree", bad_tree.to_str().unwrap()], &["tree.json", "prefix-closed"]);
-    expect_error(&["generate", "--model", m, "--prompt", "the", "--drafter", dir.join("nothing").to_str().unwrap()], &["nothing", "not found"]);
+    let (code, _, err) = run(&["generate", "--model", m, "--prompt", "the", "--drafter", dir.join("nothing").to_str().unwrap()]);
+    assert!(code != 0 && err.contains("nothing") && err.contains("no such directory"), "{err}");
     let (other, _) = tiny_gguf("cli-heads-other", 4);
     expect_error(&["generate", "--model", other.to_str().unwrap(), "--prompt", "the", "--drafter", hs], &["trained for", "heads"]);
     // And they work on the right model.
@@ -228,4 +229,51 @@ fn draft_layer_through_the_cli() {
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("outputs identical"), "{err}");
     expect_error(&["generate", "--model", m, "--prompt", "the", "--drafter", os, "--tree", "chain:9"], &["9 deep", "draft layer"]);
+}
+
+/// `generate` as llama-cli is used: the prompt from a file or standard input, a system message,
+/// why decoding stopped, and a reader that goes away (`| head`) ending it quietly.
+#[test]
+fn generate_reads_prompt_files_and_stops_quietly_when_stdout_closes() {
+    let (tiny, _) = tiny_gguf("cli-prompt-file", 5);
+    let m = tiny.to_str().unwrap();
+    let dir = scratch("cli-prompt-file-input");
+    let file = dir.join("p.txt");
+    std::fs::write(&file, "the cat sat").unwrap();
+    let (code, by_flag, err) = run(&["generate", "--model", m, "--prompt", "the cat sat", "--max-tokens", "6"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("stopped at --max-tokens 6") || err.contains("stopped at end of sequence"), "{err}");
+    let (code, by_file, err) = run(&["generate", "--model", m, "--prompt-file", file.to_str().unwrap(), "--max-tokens", "6"]);
+    assert_eq!((code, &by_file), (0, &by_flag), "{err}");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_selfspec"))
+        .args(["generate", "--model", m, "--prompt-file", "-", "--max-tokens", "6"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), b"the cat sat").unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), by_flag, "{}", String::from_utf8_lossy(&out.stderr));
+    // A system message changes the chat prompt; without --chat it is refused.
+    let (code, with_system, err) = run(&["generate", "--model", m, "--chat", "--system", "be brief", "--prompt", "the cat sat", "--max-tokens", "6"]);
+    assert_eq!(code, 0, "{err}");
+    let (_, without, err_without) = run(&["generate", "--model", m, "--chat", "--prompt", "the cat sat", "--max-tokens", "6"]);
+    let prompt_tokens = |e: &str| e.split("prompt ").nth(1).and_then(|r| r.split(' ').next()).and_then(|n| n.parse::<usize>().ok()).unwrap();
+    assert!(prompt_tokens(&err) > prompt_tokens(&err_without), "{err} / {err_without}: {with_system:?} {without:?}");
+    // More than fits: said, not silently cut.
+    let (code, _, err) = run(&["generate", "--model", m, "--prompt", "the cat sat", "--max-tokens", "100000"]);
+    assert!(code == 0 && err.contains("more than fits"), "{err}");
+    // Standard output closed before the first token: no error, exit 0, nothing decoded past it.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_selfspec"))
+        .args(["generate", "--model", m, "--prompt", "the cat sat", "--max-tokens", "400"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(!err.contains("error") && !err.contains("stopped at"), "{err}");
 }

@@ -101,19 +101,31 @@ pub struct DrafterArgs {
     /// A drafter directory: Medusa-style heads (heads.json + heads.safetensors, or the Medusa
     /// format) or a draft layer (draft.json + draft.safetensors, as `train` writes, or an EAGLE-3
     /// checkpoint in the SpecForge/vLLM layout: config.json + model.safetensors).
-    #[arg(long, alias = "heads", value_name = "DIR")]
+    #[arg(long, alias = "heads", value_name = "DIR", value_parser = drafter_dir)]
     pub drafter: Option<PathBuf>,
     /// Weight format the drafter runs in: native (4-bit blocks for a draft layer, 8-bit for
     /// heads: the fastest), q8_0 (8-bit: guesses a little closer to the trained weights', worth
     /// it for deep trees), f16, bf16 or f32. Drafts need not be exact; verification is.
-    #[arg(long, default_value_t = DRAFTING_FORMAT)]
+    #[arg(long, default_value_t = DRAFTING_FORMAT, requires = "drafter")]
     pub draft_weights: WeightFormat,
     /// Text the +lookup branch may also copy from (REST-style retrieval): a corpus manifest
     /// (training/corpus.toml: its sets marked `datastore = true`) or distill JSONL / text
     /// files. Where its longest match with the text so far beats the context's, the branch
     /// copies what most often followed it there.
-    #[arg(long, num_args = 1..)]
+    #[arg(long, num_args = 1.., requires = "drafter")]
     pub datastore: Vec<PathBuf>,
+}
+
+/// `--drafter`'s value: an existing directory, checked as the flags are read (before a model
+/// loads for seconds only to find the drafter missing).
+fn drafter_dir(s: &str) -> std::result::Result<PathBuf, String> {
+    let p = PathBuf::from(s);
+    match std::fs::metadata(&p) {
+        Ok(m) if m.is_dir() => Ok(p),
+        Ok(_) => Err("a file, not a drafter directory (leave --drafter out to decode plainly)".into()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err("no such directory (leave --drafter out to decode plainly)".into()),
+        Err(e) => Err(format!("{e}")),
+    }
 }
 
 impl DrafterArgs {

@@ -1,9 +1,11 @@
 //! `selfspec generate`: decode one prompt plainly, or self-speculatively with `--drafter`.
-use std::io::Write;
+use std::io::{Read, Write};
+use std::path::PathBuf;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
-use selfspec::decode::generate::{generate_plain, GenStats, StopRule, TextStream};
+use selfspec::decode::generate::{check_budget, generate_plain, GenStats, StopRule, TextStream};
+use selfspec::model::tokenizer::Message;
 use selfspec::decode::sampling::rng;
 use selfspec::spec::plan::{Plan, DEFAULT_TREE};
 use selfspec::spec::verify::Rule;
@@ -11,15 +13,26 @@ use selfspec::spec::{generate_spec, SpecOptions, SpecStats};
 
 use crate::cli::args::{DrafterArgs, ModelArgs, SamplingArgs};
 
+/// The largest `--prompt-file` read (bytes): far more text than any context holds.
+const MAX_PROMPT_FILE: u64 = 16 << 20;
+
 #[derive(Args)]
+#[command(group = clap::ArgGroup::new("input").required(true).args(["prompt", "prompt_file"]))]
 pub struct GenerateArgs {
     #[command(flatten)]
     model: ModelArgs,
     #[arg(long)]
-    prompt: String,
+    prompt: Option<String>,
+    /// Read the prompt from a file (`-`: standard input), as llama-cli's `-f`.
+    #[arg(long, value_name = "PATH")]
+    prompt_file: Option<PathBuf>,
     /// Wrap the prompt in the model's chat template.
     #[arg(long)]
     chat: bool,
+    /// A system message before the prompt (with --chat; without it the template's own default,
+    /// if it has one).
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
     #[command(flatten)]
@@ -39,6 +52,42 @@ pub struct GenerateArgs {
     compare: bool,
 }
 
+/// The prompt from `--prompt` or `--prompt-file` (`-`: standard input), size checked first.
+fn read_prompt(a: &GenerateArgs) -> Result<String> {
+    let Some(path) = &a.prompt_file else {
+        return Ok(a.prompt.clone().unwrap_or_default());
+    };
+    let mut bytes = Vec::new();
+    let what = if path.as_os_str() == "-" {
+        std::io::stdin().lock().take(MAX_PROMPT_FILE + 1).read_to_end(&mut bytes).with_context(|| "--prompt-file -: reading standard input")?;
+        "standard input".to_string()
+    } else {
+        let meta = std::fs::metadata(path).with_context(|| format!("--prompt-file {}", path.display()))?;
+        if !meta.is_file() {
+            bail!("--prompt-file {}: not a file", path.display());
+        }
+        if meta.len() > MAX_PROMPT_FILE {
+            bail!("--prompt-file {}: {} bytes, more than the {} MiB a prompt may be", path.display(), meta.len(), MAX_PROMPT_FILE >> 20);
+        }
+        std::fs::File::open(path).and_then(|f| f.take(MAX_PROMPT_FILE + 1).read_to_end(&mut bytes)).with_context(|| format!("--prompt-file {}", path.display()))?;
+        path.display().to_string()
+    };
+    if bytes.len() as u64 > MAX_PROMPT_FILE {
+        bail!("--prompt-file: {what} holds more than the {} MiB a prompt may be", MAX_PROMPT_FILE >> 20);
+    }
+    String::from_utf8(bytes).map_err(|e| anyhow::anyhow!("--prompt-file: {what} is not UTF-8 text (byte {})", e.utf8_error().valid_up_to()))
+}
+
+/// Why decoding ended, for the summary (llama-cli's "[end of text]").
+fn stop_reason(out: &[u32], eos: &[u32], budget: usize, asked: usize) -> String {
+    match out.last() {
+        Some(t) if eos.contains(t) => "stopped at end of sequence".into(),
+        _ if out.len() >= asked => format!("stopped at --max-tokens {asked}"),
+        _ if out.len() >= budget => format!("stopped: the context is full ({budget} new tokens fit after the prompt)"),
+        _ => "stopped: the context is full".into(),
+    }
+}
+
 pub fn run(a: GenerateArgs) -> Result<()> {
     let params = a.sampling.params()?;
     if a.max_tokens == 0 {
@@ -47,38 +96,60 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     if a.lossy_typical && a.drafter.drafter.is_none() {
         bail!("--lossy-typical changes how drafted tokens are accepted; it needs --drafter DIR");
     }
-    if a.prompt.is_empty() && !a.chat {
-        bail!("--prompt is empty: give it some text (or add --chat, which wraps even an empty prompt in the chat template)");
+    let prompt = read_prompt(&a)?;
+    if prompt.is_empty() && !a.chat {
+        let flag = if a.prompt_file.is_some() { "--prompt-file" } else { "--prompt" };
+        bail!("{flag}: the prompt is empty: give it some text (or add --chat, which wraps even an empty prompt in the chat template)");
     }
     let plan = Plan::parse(&a.tree)?;
     let t0 = std::time::Instant::now();
     let mut target = a.model.load()?;
     eprintln!("loaded {} ({} weights) in {:.2} s", target.path.display(), target.model.weight_format(), t0.elapsed().as_secs_f64());
     let drafter = a.drafter.load(&mut target)?;
-    let ids = target.encode_prompt(&a.prompt, a.chat)?;
+    let ids = match &a.system {
+        Some(system) => target.tokenizer.encode(&target.chat_prompt(&[Message::new("system", system.as_str()), Message::new("user", prompt.as_str())])?, false)?,
+        None => target.encode_prompt(&prompt, a.chat)?,
+    };
+    let context = target.model.config().max_position;
+    let budget = check_budget(ids.len(), a.max_tokens, context)?;
+    if budget < a.max_tokens {
+        eprintln!("note: --max-tokens {} is more than fits: the context holds {context} tokens and the prompt {}, so at most {budget} new tokens", a.max_tokens, ids.len());
+    }
     let stop = StopRule { max_new_tokens: a.max_tokens, eos_ids: &target.tokenizer.eos_ids };
     let mut stream = TextStream::new(&target.tokenizer);
     let mut stdout = std::io::stdout().lock();
+    // A reader that goes away (`| head`) ends decoding at once, quietly, as for other tools.
+    let mut closed = false;
     let mut print = |t: u32| -> selfspec::Result<()> {
         if let Some(s) = stream.push(t)? {
-            let _ = stdout.write_all(s.as_bytes());
-            let _ = stdout.flush();
+            if let Err(err) = stdout.write_all(s.as_bytes()).and_then(|_| stdout.flush()) {
+                closed = err.kind() == std::io::ErrorKind::BrokenPipe;
+                return Err(selfspec::Error::Io { path: "standard output".into(), err });
+            }
         }
         Ok(())
     };
     let mut r = rng(a.sampling.seed);
     let Some(drafter) = drafter else {
-        let (_, stats) = generate_plain(&target.model, &ids, &params, &stop, &mut r, &mut print)?;
+        let result = generate_plain(&target.model, &ids, &params, &stop, &mut r, &mut print);
+        if closed {
+            return Ok(());
+        }
+        let (out, stats) = result?;
         finish_stream(&mut stream)?;
-        eprintln!("{}", plain_summary(&stats));
+        eprintln!("{}; {}", plain_summary(&stats), stop_reason(&out, &target.tokenizer.eos_ids, budget, a.max_tokens));
         return Ok(());
     };
     let rule = Rule::for_params(&params, a.lossy_typical);
     let ds = a.drafter.datastore(&target)?;
     let opts = SpecOptions { tree: plan.tree, lookup: plan.lookup, datastore: ds.as_ref(), rule, params: params.clone(), stop };
-    let (spec_out, stats) = generate_spec(&target.model, &drafter, &ids, &opts, &mut r, &mut print)?;
+    let result = generate_spec(&target.model, &drafter, &ids, &opts, &mut r, &mut print);
+    if closed {
+        return Ok(());
+    }
+    let (spec_out, stats) = result?;
     finish_stream(&mut stream)?;
-    eprintln!("{}", spec_summary(&stats, a.lossy_typical));
+    eprintln!("{}; {}", spec_summary(&stats, a.lossy_typical), stop_reason(&spec_out, &target.tokenizer.eos_ids, budget, a.max_tokens));
     if a.compare {
         let stop = StopRule { max_new_tokens: a.max_tokens, eos_ids: &target.tokenizer.eos_ids };
         let (plain_out, plain) = generate_plain(&target.model, &ids, &params, &stop, &mut rng(a.sampling.seed), &mut |_| Ok(()))?;
