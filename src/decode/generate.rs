@@ -23,8 +23,10 @@ impl GenStats {
     pub fn prefill_tok_s(&self) -> f64 {
         self.prompt_tokens as f64 / self.prefill_secs.max(1e-9)
     }
+    /// Tokens per second of decoding: those after the first (which the prefill's logits give,
+    /// before `decode_secs` starts) over the time that made them.
     pub fn decode_tok_s(&self) -> f64 {
-        self.new_tokens as f64 / self.decode_secs.max(1e-9)
+        self.new_tokens.saturating_sub(1) as f64 / self.decode_secs.max(1e-9)
     }
     /// Tokens emitted per target forward, the bonus token counted (plain decoding = 1.0).
     /// The first token comes from the prefill's logits, so it is not counted on either side.
@@ -163,7 +165,8 @@ mod tests {
         assert!(check_budget(50, 1, 50).is_err());
         assert!(check_budget(5, 0, 50).is_err());
         assert!(check_budget(0, 5, 50).is_err());
-        let s = GenStats { new_tokens: 11, target_forwards: 5, ..Default::default() };
+        let s = GenStats { new_tokens: 11, target_forwards: 5, decode_secs: 0.5, ..Default::default() };
         assert_eq!(s.tau(), 2.0);
+        assert_eq!(s.decode_tok_s(), 20.0, "the first token is the prefill's");
     }
 }

@@ -152,9 +152,10 @@ pub fn summarise(turns: &[&TurnResult], tree: usize) -> Summary {
     s.plain_tok_s_median = median(turns.iter().map(|t| t.plain_tok_s).collect());
     s.speedup = s.spec_tok_s_median / s.plain_tok_s_median.max(1e-9);
     let spec_secs: f64 = turns.iter().map(|t| t.spec[tree].gen.decode_secs).sum();
-    let plain_secs: f64 = turns.iter().map(|t| t.new_tokens as f64 / t.plain_tok_s.max(1e-9)).sum();
-    let spec_tokens: usize = turns.iter().map(|t| t.spec[tree].gen.new_tokens).sum();
-    let plain_tokens: usize = turns.iter().map(|t| t.new_tokens).sum();
+    // Decoded tokens: each turn's first comes from its prefill, before the decode clock starts.
+    let plain_secs: f64 = turns.iter().map(|t| t.new_tokens.saturating_sub(1) as f64 / t.plain_tok_s.max(1e-9)).sum();
+    let spec_tokens: usize = turns.iter().map(|t| t.spec[tree].gen.new_tokens.saturating_sub(1)).sum();
+    let plain_tokens: usize = turns.iter().map(|t| t.new_tokens.saturating_sub(1)).sum();
     s.spec_tok_s_total = spec_tokens as f64 / spec_secs.max(1e-9);
     s.plain_tok_s_total = plain_tokens as f64 / plain_secs.max(1e-9);
     s.speedup_total = s.spec_tok_s_total / s.plain_tok_s_total.max(1e-9);
@@ -347,11 +348,12 @@ mod tests {
         };
         let (a, b) = (turn(100, 0.5, 100.0), turn(10, 0.2, 50.0));
         let s = summarise(&[&a, &b], 0);
-        assert!((s.spec_tok_s_median - 125.0).abs() < 1e-9 && (s.plain_tok_s_median - 75.0).abs() < 1e-9);
-        assert!((s.speedup - 125.0 / 75.0).abs() < 1e-9);
-        assert!((s.spec_tok_s_total - 110.0 / 0.7).abs() < 1e-9);
-        assert!((s.plain_tok_s_total - 110.0 / 1.2).abs() < 1e-9);
-        assert!((s.speedup_total - (110.0 / 0.7) / (110.0 / 1.2)).abs() < 1e-9);
+        // 99 tokens in 0.5 s and 9 in 0.2 s (each turn's first is the prefill's).
+        assert!((s.spec_tok_s_median - (198.0 + 45.0) / 2.0).abs() < 1e-9 && (s.plain_tok_s_median - 75.0).abs() < 1e-9);
+        assert!((s.speedup - 121.5 / 75.0).abs() < 1e-9);
+        assert!((s.spec_tok_s_total - 108.0 / 0.7).abs() < 1e-9);
+        assert!((s.plain_tok_s_total - 108.0 / (99.0 / 100.0 + 9.0 / 50.0)).abs() < 1e-9);
+        assert!((s.speedup_total - (108.0 / 0.7) / (108.0 / 1.17)).abs() < 1e-9);
         assert_eq!(s.all_identical, Some(true));
     }
 
