@@ -35,6 +35,10 @@ fn keep_freed_pages_warm() {
 fn main() {
     keep_freed_pages_warm();
     let args = cli::Cli::parse();
+    if let Some(n) = args.threads {
+        // Before any thread pool starts: both the kernels' team and rayon read it once, at first use.
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    }
     // Start-up work that repeats per run (the `auto` tree's cost curve) is kept between runs.
     selfspec::draft::budget::cache_costs_in(selfspec::files::cache_dir());
     if let Err(e) = cli::run(args) {

@@ -116,6 +116,7 @@ fn every_subcommand_refuses_bad_input_cleanly() {
         (args(&["generate", "--model", &missing, "--prompt", "x", "--drafter", &prompts]), &["--drafter", "not a drafter directory"]),
         (args(&["generate", "--model", &missing, "--prompt", "x", "--datastore", &prompts]), &["--drafter"]),
         (args(&["generate", "--model", &missing, "--prompt", "x", "--draft-weights", "f16"]), &["--drafter"]),
+        (args(&["generate", "--model", &missing, "--prompt", "x", "--threads", "0"]), &["--threads", "1..=1024"]),
         (args(&["train", "--model", &m, "--data", &prompts, "--out", &s(&dir.join("o6")), "--lr", "inf"]), &["--lr"]),
         (args(&["train", "--model", &m, "--data", &prompts, "--out", &s(&dir.join("o7")), "--layers", "100000"]), &["--layers", "16"]),
         (args(&["train", "--model", &m, "--data", &s(&dir.join("nope.txt")), "--out", &s(&dir.join("o8"))]), &["--data", "nope.txt"]),

@@ -245,6 +245,9 @@ fn generate_reads_prompt_files_and_stops_quietly_when_stdout_closes() {
     assert!(err.contains("stopped at --max-tokens 6") || err.contains("stopped at end of sequence"), "{err}");
     let (code, by_file, err) = run(&["generate", "--model", m, "--prompt-file", file.to_str().unwrap(), "--max-tokens", "6"]);
     assert_eq!((code, &by_file), (0, &by_flag), "{err}");
+    // One thread (llama.cpp's -t 1): the same text, batch-invariant kernels.
+    let (code, one_thread, err) = run(&["--threads", "1", "generate", "--model", m, "--prompt", "the cat sat", "--max-tokens", "6"]);
+    assert_eq!((code, &one_thread), (0, &by_flag), "{err}");
     let mut child = Command::new(env!("CARGO_BIN_EXE_selfspec"))
         .args(["generate", "--model", m, "--prompt-file", "-", "--max-tokens", "6"])
         .stdin(std::process::Stdio::piped())

@@ -21,6 +21,7 @@ const MAX_PROMPT_FILE: u64 = 16 << 20;
 pub struct GenerateArgs {
     #[command(flatten)]
     model: ModelArgs,
+    /// The prompt text (wrapped in the chat template with --chat).
     #[arg(long)]
     prompt: Option<String>,
     /// Read the prompt from a file (`-`: standard input), as llama-cli's `-f`.
@@ -33,6 +34,7 @@ pub struct GenerateArgs {
     /// if it has one).
     #[arg(long, requires = "chat")]
     system: Option<String>,
+    /// New tokens at most (fewer when the end-of-sequence token comes first or the context fills).
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
     #[command(flatten)]

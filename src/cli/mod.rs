@@ -17,6 +17,10 @@ use clap::{Parser, Subcommand};
 pub struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Threads for the CPU kernels and training (as llama.cpp's `-t`; sets RAYON_NUM_THREADS).
+    /// Default: RAYON_NUM_THREADS if set, else every core.
+    #[arg(long, global = true, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub threads: Option<u16>,
 }
 
 #[derive(Subcommand)]
