@@ -174,6 +174,9 @@ fn bad_heads_and_trees() {
     let (code, _, err) = run(&["generate", "--model", m, "--prompt", "the cat the cat the", "--drafter", hs, "--max-tokens", "8", "--compare"]);
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("outputs identical") && err.contains("tau"), "{err}");
+    // One token is the prefill's alone: no decoding to compare, said rather than "NaNx".
+    let (code, _, err) = run(&["generate", "--model", m, "--prompt", "the cat", "--drafter", hs, "--max-tokens", "1", "--compare"]);
+    assert!(code == 0 && err.contains("speed-up n/a") && !err.contains("NaN"), "{err}");
 }
 
 /// `train --draft-layer` end to end through the CLI, then the layer drafts for `generate`,
@@ -239,7 +242,8 @@ fn generate_reads_prompt_files_and_stops_quietly_when_stdout_closes() {
     let m = tiny.to_str().unwrap();
     let dir = scratch("cli-prompt-file-input");
     let file = dir.join("p.txt");
-    std::fs::write(&file, "the cat sat").unwrap();
+    // A file's line end is not part of the prompt (as llama-cli's -f reads it).
+    std::fs::write(&file, "the cat sat\n").unwrap();
     let (code, by_flag, err) = run(&["generate", "--model", m, "--prompt", "the cat sat", "--max-tokens", "6"]);
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("stopped at --max-tokens 6") || err.contains("stopped at end of sequence"), "{err}");
@@ -255,7 +259,7 @@ fn generate_reads_prompt_files_and_stops_quietly_when_stdout_closes() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    std::io::Write::write_all(&mut child.stdin.take().unwrap(), b"the cat sat").unwrap();
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), b"the cat sat\r\n").unwrap();
     let out = child.wait_with_output().unwrap();
     assert_eq!(String::from_utf8_lossy(&out.stdout), by_flag, "{}", String::from_utf8_lossy(&out.stderr));
     // A system message changes the chat prompt; without --chat it is refused.

@@ -31,7 +31,7 @@ pub struct GenerateArgs {
     #[arg(long)]
     chat: bool,
     /// A system message before the prompt (with --chat; without it the template's own default,
-    /// if it has one).
+    /// if it has one; "" removes that default).
     #[arg(long, requires = "chat")]
     system: Option<String>,
     /// New tokens at most (fewer when the end-of-sequence token comes first or the context fills).
@@ -65,10 +65,11 @@ fn read_prompt(a: &GenerateArgs) -> Result<String> {
         "standard input".to_string()
     } else {
         let meta = std::fs::metadata(path).with_context(|| format!("--prompt-file {}", path.display()))?;
-        if !meta.is_file() {
-            bail!("--prompt-file {}: not a file", path.display());
+        if meta.is_dir() {
+            bail!("--prompt-file {}: a directory, not a file", path.display());
         }
-        if meta.len() > MAX_PROMPT_FILE {
+        // A pipe (`<(...)`) has no size to check: the read below stops past the bound.
+        if meta.is_file() && meta.len() > MAX_PROMPT_FILE {
             bail!("--prompt-file {}: {} bytes, more than the {} MiB a prompt may be", path.display(), meta.len(), MAX_PROMPT_FILE >> 20);
         }
         std::fs::File::open(path).and_then(|f| f.take(MAX_PROMPT_FILE + 1).read_to_end(&mut bytes)).with_context(|| format!("--prompt-file {}", path.display()))?;
@@ -77,7 +78,15 @@ fn read_prompt(a: &GenerateArgs) -> Result<String> {
     if bytes.len() as u64 > MAX_PROMPT_FILE {
         bail!("--prompt-file: {what} holds more than the {} MiB a prompt may be", MAX_PROMPT_FILE >> 20);
     }
-    String::from_utf8(bytes).map_err(|e| anyhow::anyhow!("--prompt-file: {what} is not UTF-8 text (byte {})", e.utf8_error().valid_up_to()))
+    let mut text = String::from_utf8(bytes).map_err(|e| anyhow::anyhow!("--prompt-file: {what} is not UTF-8 text (byte {})", e.utf8_error().valid_up_to()))?;
+    // As llama-cli's -f: the line end a file or `echo` leaves is not part of the prompt.
+    if text.ends_with('\n') {
+        text.pop();
+        if text.ends_with('\r') {
+            text.pop();
+        }
+    }
+    Ok(text.strip_prefix('\u{feff}').map(str::to_string).unwrap_or(text))
 }
 
 /// Why decoding ended, for the summary (llama-cli's "[end of text]").
@@ -86,7 +95,7 @@ fn stop_reason(out: &[u32], eos: &[u32], budget: usize, asked: usize) -> String 
         Some(t) if eos.contains(t) => "stopped at end of sequence".into(),
         _ if out.len() >= asked => format!("stopped at --max-tokens {asked}"),
         _ if out.len() >= budget => format!("stopped: the context is full ({budget} new tokens fit after the prompt)"),
-        _ => "stopped: the context is full".into(),
+        _ => format!("stopped after {} tokens", out.len()),
     }
 }
 
@@ -138,7 +147,9 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             return Ok(());
         }
         let (out, stats) = result?;
-        finish_stream(&mut stream)?;
+        if !finish_stream(&mut stream)? {
+            return Ok(());
+        }
         eprintln!("{}; {}", plain_summary(&stats), stop_reason(&out, &target.tokenizer.eos_ids, budget, a.max_tokens));
         return Ok(());
     };
@@ -150,7 +161,9 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         return Ok(());
     }
     let (spec_out, stats) = result?;
-    finish_stream(&mut stream)?;
+    if !finish_stream(&mut stream)? {
+        return Ok(());
+    }
     eprintln!("{}; {}", spec_summary(&stats, a.lossy_typical), stop_reason(&spec_out, &target.tokenizer.eos_ids, budget, a.max_tokens));
     if a.compare {
         let stop = StopRule { max_new_tokens: a.max_tokens, eos_ids: &target.tokenizer.eos_ids };
@@ -161,24 +174,30 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             (true, true) => "; outputs identical",
             (true, false) => "; OUTPUTS DIFFER",
         };
-        eprintln!(
-            "speed-up {:.2}x (self-speculative {:.1} tok/s vs plain {:.1} tok/s){same}",
-            stats.gen.decode_tok_s() / plain.decode_tok_s(),
-            stats.gen.decode_tok_s(),
-            plain.decode_tok_s(),
-        );
+        if stats.gen.new_tokens < 2 || plain.new_tokens < 2 {
+            eprintln!("speed-up n/a: one token, the prefill's, and nothing decoded after it{same}");
+        } else {
+            eprintln!(
+                "speed-up {:.2}x (self-speculative {:.1} tok/s vs plain {:.1} tok/s){same}",
+                stats.gen.decode_tok_s() / plain.decode_tok_s(),
+                stats.gen.decode_tok_s(),
+                plain.decode_tok_s(),
+            );
+        }
     }
     Ok(())
 }
 
-fn finish_stream(stream: &mut TextStream) -> Result<()> {
+/// The text held back and a last newline; false when the reader has gone (a broken pipe, which
+/// ends the run quietly, as a reader that leaves mid-stream does).
+fn finish_stream(stream: &mut TextStream) -> Result<bool> {
     let mut stdout = std::io::stdout().lock();
-    if let Some(s) = stream.finish()? {
-        stdout.write_all(s.as_bytes())?;
+    let rest = stream.finish()?.unwrap_or_default();
+    match stdout.write_all(rest.as_bytes()).and_then(|_| writeln!(stdout)).and_then(|_| stdout.flush()) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(false),
+        Err(e) => Err(anyhow::anyhow!("standard output: {e}")),
     }
-    writeln!(stdout)?;
-    stdout.flush()?;
-    Ok(())
 }
 
 fn plain_summary(s: &GenStats) -> String {
