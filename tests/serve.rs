@@ -194,6 +194,15 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_going() {
         assert_eq!(resp.status(), StatusCode::OK);
         let by_ids: Value = serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
         assert_eq!(by_ids["choices"][0]["text"], v["choices"][0]["text"]);
+        // vLLM's ignore_eos: a question answered in a few tokens runs on to max_tokens.
+        let q = json!({"model": "smollm2", "messages": [{"role": "user", "content": "What is 2+2? Answer with one digit."}], "temperature": 0, "max_tokens": 40});
+        let (_, short, _) = call(&app, "/v1/chat/completions", q.clone(), key).await;
+        let mut long_q = q.clone();
+        long_q["ignore_eos"] = json!(true);
+        let (s, long_v, _) = call(&app, "/v1/chat/completions", long_q, key).await;
+        assert_eq!(s, StatusCode::OK, "{long_v}");
+        assert!(short["usage"]["completion_tokens"].as_u64().unwrap() < 40 && short["choices"][0]["finish_reason"] == "stop", "{short}");
+        assert_eq!((long_v["usage"]["completion_tokens"].as_u64(), long_v["choices"][0]["finish_reason"].as_str()), (Some(40), Some("length")), "{long_v}");
         // The model by id; a wrong method is a JSON 405.
         let get = |path: &str| Request::get(path).header("authorization", "Bearer sesame").body(Body::empty()).unwrap();
         let r = app.clone().oneshot(get("/v1/models/smollm2")).await.unwrap();

@@ -37,6 +37,9 @@ pub struct GenerateArgs {
     /// New tokens at most (fewer when the end-of-sequence token comes first or the context fills).
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
+    /// Decode past the end-of-sequence token, to --max-tokens (for benchmarks of a fixed length).
+    #[arg(long)]
+    ignore_eos: bool,
     #[command(flatten)]
     sampling: SamplingArgs,
     #[command(flatten)]
@@ -126,7 +129,8 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     if budget < a.max_tokens {
         eprintln!("note: --max-tokens {} is more than fits: the context holds {context} tokens and the prompt {}, so at most {budget} new tokens", a.max_tokens, ids.len());
     }
-    let stop = StopRule { max_new_tokens: a.max_tokens, eos_ids: &target.tokenizer.eos_ids };
+    let eos: &[u32] = if a.ignore_eos { &[] } else { &target.tokenizer.eos_ids };
+    let stop = StopRule { max_new_tokens: a.max_tokens, eos_ids: eos };
     let mut stream = TextStream::new(&target.tokenizer);
     let mut stdout = std::io::stdout().lock();
     // A reader that goes away (`| head`) ends decoding at once, quietly, as for other tools.
@@ -150,7 +154,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         if !finish_stream(&mut stream)? {
             return Ok(());
         }
-        eprintln!("{}; {}", plain_summary(&stats), stop_reason(&out, &target.tokenizer.eos_ids, budget, a.max_tokens));
+        eprintln!("{}; {}", plain_summary(&stats), stop_reason(&out, eos, budget, a.max_tokens));
         return Ok(());
     };
     let rule = Rule::for_params(&params, a.lossy_typical);
@@ -164,9 +168,9 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     if !finish_stream(&mut stream)? {
         return Ok(());
     }
-    eprintln!("{}; {}", spec_summary(&stats, a.lossy_typical), stop_reason(&spec_out, &target.tokenizer.eos_ids, budget, a.max_tokens));
+    eprintln!("{}; {}", spec_summary(&stats, a.lossy_typical), stop_reason(&spec_out, eos, budget, a.max_tokens));
     if a.compare {
-        let stop = StopRule { max_new_tokens: a.max_tokens, eos_ids: &target.tokenizer.eos_ids };
+        let stop = StopRule { max_new_tokens: a.max_tokens, eos_ids: eos };
         let (plain_out, plain) = generate_plain(&target.model, &ids, &params, &stop, &mut rng(a.sampling.seed), &mut |_| Ok(()))?;
         eprintln!("{}", plain_summary(&plain));
         let same = match (params.is_greedy() && !a.lossy_typical, spec_out == plain_out) {

@@ -56,6 +56,8 @@ pub struct Request {
     pub top_k: Option<i64>,
     pub min_p: Option<f32>,
     pub repetition_penalty: Option<f32>,
+    /// vLLM's extension: decode past the end-of-sequence token, to `max_tokens`.
+    pub ignore_eos: Option<bool>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
     pub n: Option<u64>,
@@ -146,6 +148,7 @@ pub struct Decoding {
     pub max_tokens: usize,
     pub seed: Option<u64>,
     pub stop: Vec<String>,
+    pub ignore_eos: bool,
     pub stream: bool,
     /// A last chunk with the usage (`stream_options.include_usage`; the others carry `"usage": null`).
     pub include_usage: bool,
@@ -270,6 +273,7 @@ impl Request {
             max_tokens: usize::try_from(max_tokens).unwrap_or(usize::MAX),
             seed: self.seed,
             stop,
+            ignore_eos: self.ignore_eos.unwrap_or(false),
             stream,
             include_usage: opts.and_then(|o| o.include_usage).unwrap_or(false),
             continuous_usage: opts.and_then(|o| o.continuous_usage_stats).unwrap_or(false),
@@ -408,8 +412,8 @@ mod tests {
         let d = common(serde_json::json!({"model": "m", "logit_bias": {}, "tools": [], "tool_choice": "none", "parallel_tool_calls": false, "response_format": {"type": "text"},
             "echo": false, "best_of": 1, "top_logprobs": 0, "store": false, "metadata": {"a": "b"}, "service_tier": "auto", "stream": null, "suffix": null}));
         assert!(d.is_ok(), "{d:?}");
-        let d = common(serde_json::json!({"model": "m", "stream": true, "stream_options": {"include_usage": true, "continuous_usage_stats": true}})).unwrap();
-        assert!(d.stream && d.include_usage && d.continuous_usage);
+        let d = common(serde_json::json!({"model": "m", "stream": true, "stream_options": {"include_usage": true, "continuous_usage_stats": true}, "ignore_eos": true})).unwrap();
+        assert!(d.stream && d.include_usage && d.continuous_usage && d.ignore_eos);
     }
 
     #[test]

@@ -43,6 +43,9 @@ pub struct Job {
     pub seed: u64,
     /// Strings that end the answer (not included in it).
     pub stop: Vec<String>,
+    /// Decode past the end-of-sequence token, to `max_tokens` (vLLM's `ignore_eos`, for
+    /// benchmarks of a fixed length).
+    pub ignore_eos: bool,
     pub events: UnboundedSender<Event>,
 }
 
@@ -250,7 +253,7 @@ fn run(target: &Target, drafter: Option<&Drafter>, datastore: Option<&Datastore>
                 datastore,
                 rule,
                 params: job.params.clone(),
-                stop: StopRule { max_new_tokens: job.max_tokens, eos_ids: &target.tokenizer.eos_ids },
+                stop: StopRule { max_new_tokens: job.max_tokens, eos_ids: if job.ignore_eos { &[] } else { &target.tokenizer.eos_ids } },
             };
             match catching(|| Sequence::new(model, drafter, &job.prompt, opts, rng(job.seed))) {
                 Ok(seq) => {

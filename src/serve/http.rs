@@ -219,7 +219,7 @@ async fn answer(s: &Arc<AppState>, kind: Kind, ids: Vec<u32>, d: Decoding) -> Re
     let prompt_tokens = ids.len();
     let seed = d.seed.unwrap_or_else(|| now() ^ s.next_id.load(Ordering::Relaxed).wrapping_mul(0x9E37_79B9_7F4A_7C15));
     let (tx, rx) = unbounded_channel();
-    let job = Job { prompt: ids, params: d.params.clone(), max_tokens: d.max_tokens, seed, stop: d.stop.clone(), events: tx };
+    let job = Job { prompt: ids, params: d.params.clone(), max_tokens: d.max_tokens, seed, stop: d.stop.clone(), ignore_eos: d.ignore_eos, events: tx };
     match s.engine.submit(job) {
         Ok(()) => {}
         Err(Refused::Full) => {
