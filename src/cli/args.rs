@@ -58,19 +58,27 @@ impl ModelArgs {
 #[derive(Args, Clone)]
 #[command(next_help_heading = "Sampling")]
 pub struct SamplingArgs {
-    /// 0 = greedy.
+    /// 0 = greedy. Applied first, then top-k, top-p and min-p (as Hugging Face and vLLM order
+    /// them; llama.cpp applies it last).
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub temperature: f32,
+    /// Keep the k likeliest tokens (0: all).
     #[arg(long, default_value_t = 0)]
     pub top_k: usize,
+    /// Keep the likeliest tokens whose probabilities sum to p (1: all).
     #[arg(long, default_value_t = 1.0)]
     pub top_p: f32,
+    /// Drop tokens less likely than min-p times the likeliest (0: none).
     #[arg(long, default_value_t = 0.0)]
     pub min_p: f32,
+    /// Hugging Face's: positive logits of tokens already in the context divided by it, negative
+    /// ones multiplied (1: none).
     #[arg(long, default_value_t = 1.0)]
     pub repetition_penalty: f32,
+    /// OpenAI's: subtracted once from the logit of every token already present, in [-2, 2].
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub presence_penalty: f32,
+    /// OpenAI's: subtracted per occurrence, in [-2, 2].
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub frequency_penalty: f32,
     /// Seed of the sampler (with eval and distill: of the first prompt; prompt i uses seed + i).
