@@ -147,13 +147,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     let mut r = rng(a.sampling.seed);
     let Some(drafter) = drafter else {
         let result = generate_plain(&target.model, &ids, &params, &stop, &mut r, &mut print);
-        if closed {
-            return Ok(());
-        }
-        let (out, stats) = result?;
-        if !finish_stream(&mut stream)? {
-            return Ok(());
-        }
+        let Some((out, stats)) = ended(result, closed, &mut stream)? else { return Ok(()) };
         eprintln!("{}; {}", plain_summary(&stats), stop_reason(&out, eos, budget, a.max_tokens));
         return Ok(());
     };
@@ -161,13 +155,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     let ds = a.drafter.datastore(&target)?;
     let opts = SpecOptions { tree: plan.tree, lookup: plan.lookup, datastore: ds.as_ref(), rule, params: params.clone(), stop };
     let result = generate_spec(&target.model, &drafter, &ids, &opts, &mut r, &mut print);
-    if closed {
-        return Ok(());
-    }
-    let (spec_out, stats) = result?;
-    if !finish_stream(&mut stream)? {
-        return Ok(());
-    }
+    let Some((spec_out, stats)) = ended(result, closed, &mut stream)? else { return Ok(()) };
     eprintln!("{}; {}", spec_summary(&stats, a.lossy_typical), stop_reason(&spec_out, eos, budget, a.max_tokens));
     if a.compare {
         let stop = StopRule { max_new_tokens: a.max_tokens, eos_ids: eos };
@@ -190,6 +178,16 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// A decoding run's result once its text is out: None when the reader has gone (`closed`: the
+/// run was cut short by a broken pipe, or the last write found one), which ends quietly.
+fn ended<T>(result: selfspec::Result<T>, closed: bool, stream: &mut TextStream) -> Result<Option<T>> {
+    if closed {
+        return Ok(None);
+    }
+    let done = result?;
+    Ok(finish_stream(stream)?.then_some(done))
 }
 
 /// The text held back and a last newline; false when the reader has gone (a broken pipe, which
