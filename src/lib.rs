@@ -7,7 +7,7 @@
 //! # Using it as a library
 //!
 //! ```no_run
-//! use selfspec::{generate_spec, rng, Drafter, Plan, Rule, SamplingParams, SpecOptions, StopRule, Target};
+//! use selfspec::{generate_spec, rng, Drafter, Flow, Plan, Rule, SamplingParams, SpecOptions, StopRule, Target};
 //!
 //! # fn main() -> selfspec::Result<()> {
 //! let target = Target::load(std::path::Path::new("models/smollm2.gguf"), &candle_core::Device::Cpu)?;
@@ -17,7 +17,7 @@
 //! let plan = Plan::parse(selfspec::DEFAULT_TREE)?;
 //! let stop = StopRule { max_new_tokens: 64, eos_ids: &target.tokenizer.eos_ids };
 //! let opts = SpecOptions { tree: plan.tree, lookup: plan.lookup, datastore: None, rule: Rule::for_params(&params, false), params, stop };
-//! let (tokens, stats) = generate_spec(&target.model, &drafter, &prompt, &opts, &mut rng(0), &mut |_| Ok(()))?;
+//! let (tokens, stats) = generate_spec(&target.model, &drafter, &prompt, &opts, &mut rng(0), &mut |_| Ok(Flow::Continue))?;
 //! println!("{} (tau {:.2} tokens per target forward, bonus token counted)", target.tokenizer.decode(&tokens)?, stats.tau());
 //! # Ok(())
 //! # }
@@ -52,7 +52,7 @@ pub mod spec;
 pub mod train;
 
 pub use cpu::quant::WeightFormat;
-pub use decode::generate::{generate_plain, GenStats, StopRule, TextStream};
+pub use decode::generate::{generate_plain, Flow, GenStats, StopMatch, StopRule, TextStream};
 pub use decode::sampling::{rng, SamplingParams};
 pub use draft::drafter::Drafter;
 pub use error::{Error, Result};

@@ -174,6 +174,21 @@ fn bad_heads_and_trees() {
     let (code, _, err) = run(&["generate", "--model", m, "--prompt", "the cat the cat the", "--drafter", hs, "--max-tokens", "8", "--compare"]);
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("outputs identical") && err.contains("tau"), "{err}");
+    // A --stop text from the middle of the answer ends it there, unprinted, plainly and with
+    // the heads alike (the compared plain run stops at the same place).
+    let (code, full, err) = run(&["generate", "--model", m, "--prompt", "the cat", "--max-tokens", "16", "--ignore-eos"]);
+    assert_eq!(code, 0, "{err}");
+    let full = full.trim_end_matches('\n');
+    let at: Vec<usize> = full.char_indices().map(|(i, _)| i).chain([full.len()]).collect();
+    assert!(at.len() > 6, "{full:?}");
+    let stop_text = &full[at[at.len() / 2]..at[at.len() / 2 + 3]];
+    let want = format!("{}\n", &full[..full.find(stop_text).unwrap()]);
+    let (code, out, err) = run(&["generate", "--model", m, "--prompt", "the cat", "--max-tokens", "16", "--ignore-eos", "--stop", stop_text]);
+    assert_eq!((code, &out), (0, &want), "{err}");
+    assert!(err.contains("stopped at a --stop text"), "{err}");
+    let (code, out, err) = run(&["generate", "--model", m, "--prompt", "the cat", "--max-tokens", "16", "--ignore-eos", "--stop", "never appears", "--stop", stop_text, "--drafter", hs, "--tree", "chain:2", "--compare"]);
+    assert_eq!((code, &out), (0, &want), "{err}");
+    assert!(err.contains("stopped at a --stop text") && err.contains("outputs identical"), "{err}");
     // One token is the prefill's alone: no decoding to compare, said rather than "NaNx".
     let (code, _, err) = run(&["generate", "--model", m, "--prompt", "the cat", "--drafter", hs, "--max-tokens", "1", "--compare"]);
     assert!(code == 0 && err.contains("speed-up n/a") && !err.contains("NaN"), "{err}");

@@ -12,7 +12,7 @@ use common::*;
 use selfspec::draft::layer::StoreFormat;
 use selfspec::draft::layer::{DraftLayer, DraftLayerConfig, TrainLayer};
 use selfspec::draft::drafter::Drafter;
-use selfspec::decode::generate::{generate_plain, StopRule};
+use selfspec::decode::generate::{generate_plain, Flow, StopRule};
 use selfspec::cpu::TreeMask;
 use selfspec::decode::sampling::{rng, SamplingParams};
 use selfspec::draft::choice::TreeChoice;
@@ -64,10 +64,10 @@ fn drafting_with_a_layer_keeps_greedy_output_exact() {
     let near_end: Vec<u32> = (0..ctx - 12).map(|i| (i * 7 + 1) % 200).collect();
     for (p, prompt) in [vec![1u32, 5, 9, 2], vec![3u32; 9], (0..40u32).collect::<Vec<_>>(), near_end].iter().enumerate() {
         let stop = StopRule { max_new_tokens: 40, eos_ids: &[] };
-        let (plain, _) = generate_plain(&t.model, prompt, &params, &stop, &mut rng(0), &mut |_| Ok(())).unwrap();
+        let (plain, _) = generate_plain(&t.model, prompt, &params, &stop, &mut rng(0), &mut |_| Ok(Flow::Continue)).unwrap();
         for tree in &trees {
             let opts = SpecOptions { tree: tree.clone(), lookup: None, datastore: None, rule: Rule::Greedy, params: params.clone(), stop: StopRule { max_new_tokens: 40, eos_ids: &[] } };
-            let (out, stats) = generate_spec(&t.model, &drafter, prompt, &opts, &mut rng(0), &mut |_| Ok(())).unwrap();
+            let (out, stats) = generate_spec(&t.model, &drafter, prompt, &opts, &mut rng(0), &mut |_| Ok(Flow::Continue)).unwrap();
             assert_eq!(out, plain, "prompt {p}, tree {tree:?}");
             assert!(stats.gen.target_forwards <= plain.len());
         }
@@ -99,9 +99,9 @@ fn odd_widths_fall_back_to_f16_and_bare_chain_is_full_depth() {
     let params = SamplingParams::greedy();
     let prompt = [1u32, 5, 9, 2, 7];
     let stop = || StopRule { max_new_tokens: 24, eos_ids: &[] };
-    let (plain, _) = generate_plain(&t.model, &prompt, &params, &stop(), &mut rng(0), &mut |_| Ok(())).unwrap();
+    let (plain, _) = generate_plain(&t.model, &prompt, &params, &stop(), &mut rng(0), &mut |_| Ok(Flow::Continue)).unwrap();
     let opts = SpecOptions { tree: TreeChoice::parse("chain").unwrap(), lookup: None, datastore: None, rule: Rule::Greedy, params: params.clone(), stop: stop() };
-    let (spec, stats) = generate_spec(&t.model, &drafter, &prompt, &opts, &mut rng(0), &mut |_| Ok(())).unwrap();
+    let (spec, stats) = generate_spec(&t.model, &drafter, &prompt, &opts, &mut rng(0), &mut |_| Ok(Flow::Continue)).unwrap();
     assert_eq!(spec, plain);
     // Bare `chain` once meant 4 levels (5 nodes a step); now one node per level the layer drafts.
     let steps: usize = stats.accept_hist.iter().sum();
@@ -113,7 +113,7 @@ fn odd_widths_fall_back_to_f16_and_bare_chain_is_full_depth() {
     v["layer"]["max_position"] = serde_json::json!(1);
     std::fs::write(&cfg_path, v.to_string()).unwrap();
     let short = Drafter::from_dir(&out, &t).unwrap();
-    let (spec, _) = generate_spec(&t.model, &short, &prompt, &opts, &mut rng(0), &mut |_| Ok(())).unwrap();
+    let (spec, _) = generate_spec(&t.model, &short, &prompt, &opts, &mut rng(0), &mut |_| Ok(Flow::Continue)).unwrap();
     assert_eq!(spec, plain);
 }
 

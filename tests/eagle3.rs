@@ -8,7 +8,7 @@ use candle_core::{Device, Tensor};
 use candle_nn::VarMap;
 use common::*;
 use selfspec::cpu::TreeMask;
-use selfspec::decode::generate::{generate_plain, StopRule};
+use selfspec::decode::generate::{generate_plain, Flow, StopRule};
 use selfspec::decode::sampling::{rng, SamplingParams};
 use selfspec::draft::choice::TreeChoice;
 use selfspec::draft::drafter::Drafter;
@@ -100,16 +100,16 @@ fn drafting_keeps_greedy_output_exact_and_an_unattached_target_is_refused() {
     let prompt = [1u32, 5, 9, 2, 7, 7, 3];
     let opts = |tree: TreeChoice| SpecOptions { tree, lookup: None, datastore: None, rule: Rule::Greedy, params: params.clone(), stop: StopRule { max_new_tokens: 32, eos_ids: &[] } };
     // Not attached: the target returns its final states only, and drafting says what to do.
-    let e = generate_spec(&t.model, &drafter, &prompt, &opts(TreeChoice::Dynamic(6)), &mut rng(0), &mut |_| Ok(())).err().expect("refused").to_string();
+    let e = generate_spec(&t.model, &drafter, &prompt, &opts(TreeChoice::Dynamic(6)), &mut rng(0), &mut |_| Ok(Flow::Continue)).err().expect("refused").to_string();
     assert!(e.contains("attach"), "{e}");
     drafter.attach(&mut t).unwrap();
     assert_eq!(t.model.feature_layers(), LAYERS);
     // tune times drafting on rows as wide as the target's.
     let (propose, commit) = drafter.draft_cost_ms(&t.model).unwrap();
     assert!(propose > 0.0 && commit > 0.0);
-    let (plain, _) = generate_plain(&t.model, &prompt, &params, &StopRule { max_new_tokens: 32, eos_ids: &[] }, &mut rng(0), &mut |_| Ok(())).unwrap();
+    let (plain, _) = generate_plain(&t.model, &prompt, &params, &StopRule { max_new_tokens: 32, eos_ids: &[] }, &mut rng(0), &mut |_| Ok(Flow::Continue)).unwrap();
     for tree in [TreeChoice::Static(Tree::chain(4)), TreeChoice::Dynamic(6), TreeChoice::Dynamic(12)] {
-        let (out, _) = generate_spec(&t.model, &drafter, &prompt, &opts(tree.clone()), &mut rng(0), &mut |_| Ok(())).unwrap();
+        let (out, _) = generate_spec(&t.model, &drafter, &prompt, &opts(tree.clone()), &mut rng(0), &mut |_| Ok(Flow::Continue)).unwrap();
         assert_eq!(out, plain, "tree {tree:?}");
     }
 }
@@ -215,11 +215,11 @@ fn trains_exports_for_vllm_and_llama_cpp_and_imports_to_the_same_drafts() {
     let params = SamplingParams::greedy();
     let opts = SpecOptions { tree: TreeChoice::Dynamic(8), lookup: None, datastore: None, rule: Rule::Greedy, params: params.clone(), stop: StopRule { max_new_tokens: 40, eos_ids: &[] } };
     let prompt = t.tokenizer.encode("the cat sat on", false).unwrap();
-    let (o1, s1) = generate_spec(&t.model, &from_ours, &prompt, &opts, &mut rng(0), &mut |_| Ok(())).unwrap();
-    let (o2, s2) = generate_spec(&t.model, &back, &prompt, &opts, &mut rng(0), &mut |_| Ok(())).unwrap();
+    let (o1, s1) = generate_spec(&t.model, &from_ours, &prompt, &opts, &mut rng(0), &mut |_| Ok(Flow::Continue)).unwrap();
+    let (o2, s2) = generate_spec(&t.model, &back, &prompt, &opts, &mut rng(0), &mut |_| Ok(Flow::Continue)).unwrap();
     assert_eq!(o1, o2);
     assert_eq!(s1.accept_hist, s2.accept_hist, "the imported drafter accepts differently");
-    let (plain, _) = generate_plain(&t.model, &prompt, &params, &StopRule { max_new_tokens: 40, eos_ids: &[] }, &mut rng(0), &mut |_| Ok(())).unwrap();
+    let (plain, _) = generate_plain(&t.model, &prompt, &params, &StopRule { max_new_tokens: 40, eos_ids: &[] }, &mut rng(0), &mut |_| Ok(Flow::Continue)).unwrap();
     assert_eq!(o1, plain);
 
     // A checkpoint from elsewhere is a starting point for training here (--init).

@@ -76,7 +76,7 @@ fn smollm2_knows_the_capital_of_france() {
     let ids = t.encode_prompt("The capital of France is", false).unwrap();
     let stop = selfspec::decode::generate::StopRule { max_new_tokens: 4, eos_ids: &t.tokenizer.eos_ids };
     let params = selfspec::decode::sampling::SamplingParams::greedy();
-    let (out, _) = selfspec::decode::generate::generate_plain(&t.model, &ids, &params, &stop, &mut selfspec::decode::sampling::rng(0), &mut |_| Ok(())).unwrap();
+    let (out, _) = selfspec::decode::generate::generate_plain(&t.model, &ids, &params, &stop, &mut selfspec::decode::sampling::rng(0), &mut |_| Ok(selfspec::Flow::Continue)).unwrap();
     let text = t.tokenizer.decode(&out).unwrap();
     assert!(text.starts_with(" Paris"), "got {text:?}");
 }

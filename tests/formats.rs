@@ -9,7 +9,7 @@ use candle_core::quantized::GgmlDType;
 use candle_core::{Device, Tensor};
 use common::*;
 use selfspec::model::fixtures;
-use selfspec::decode::generate::{generate_plain, StopRule};
+use selfspec::decode::generate::{generate_plain, Flow, StopRule};
 use selfspec::draft::heads::Heads;
 use selfspec::model::loader::Target;
 use selfspec::cpu::quant::WeightFormat;
@@ -195,9 +195,9 @@ fn smollm2_every_format_stays_close_and_greedy_speculation_stays_exact() {
         for item in prompts.iter().take(4) {
             let ids = t.encode_prompt(&item.turns[0], true).unwrap();
             let stop = StopRule { max_new_tokens: 64, eos_ids: &t.tokenizer.eos_ids };
-            let (plain, _) = generate_plain(&t.model, &ids, &params, &stop, &mut rng(0), &mut |_| Ok(())).unwrap();
+            let (plain, _) = generate_plain(&t.model, &ids, &params, &stop, &mut rng(0), &mut |_| Ok(Flow::Continue)).unwrap();
             let opts = SpecOptions { tree: TreeChoice::Static(Tree::cpu_default()), lookup: None, datastore: None, rule: Rule::Greedy, params: params.clone(), stop: StopRule { max_new_tokens: 64, eos_ids: &t.tokenizer.eos_ids } };
-            let (spec, stats) = generate_spec(&t.model, &heads, &ids, &opts, &mut rng(0), &mut |_| Ok(())).unwrap();
+            let (spec, stats) = generate_spec(&t.model, &heads, &ids, &opts, &mut rng(0), &mut |_| Ok(Flow::Continue)).unwrap();
             assert_eq!(spec, plain, "{f}: speculative output differs from plain greedy for {:?}", item.turns[0]);
             forwards += stats.gen.target_forwards;
             tokens += plain.len();

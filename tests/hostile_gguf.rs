@@ -45,7 +45,7 @@ fn load(path: &std::path::Path, bytes: &[u8]) -> (Result<usize, String>, usize) 
             let t = selfspec::model::loader::Target::load_with(path, &candle_core::Device::Cpu, f).map_err(|e| e.to_string())?;
             let params = selfspec::decode::sampling::SamplingParams::greedy();
             let stop = selfspec::decode::generate::StopRule { max_new_tokens: 3, eos_ids: &[] };
-            let (out, _) = selfspec::decode::generate::generate_plain(&t.model, &[1, 2, 3], &params, &stop, &mut selfspec::decode::sampling::rng(0), &mut |_| Ok(()))
+            let (out, _) = selfspec::decode::generate::generate_plain(&t.model, &[1, 2, 3], &params, &stop, &mut selfspec::decode::sampling::rng(0), &mut |_| Ok(selfspec::Flow::Continue))
                 .map_err(|e| e.to_string())?;
             n = out.len();
         }

@@ -10,7 +10,7 @@
 mod common;
 use candle_core::Device;
 use common::scratch;
-use selfspec::decode::generate::{generate_plain, StopRule};
+use selfspec::decode::generate::{generate_plain, Flow, StopRule};
 use selfspec::decode::sampling::{rng, SamplingParams};
 use selfspec::model::loader::Target;
 use selfspec::model::{fixtures, Llama};
@@ -44,7 +44,7 @@ fn logit_error(model: &Llama, e: &Expected) -> f32 {
 
 fn greedy(model: &Llama, e: &Expected) -> Vec<u32> {
     let stop = StopRule { max_new_tokens: e.greedy.len(), eos_ids: &[] };
-    generate_plain(model, &e.input_ids, &SamplingParams::greedy(), &stop, &mut rng(0), &mut |_| Ok(())).unwrap().0
+    generate_plain(model, &e.input_ids, &SamplingParams::greedy(), &stop, &mut rng(0), &mut |_| Ok(Flow::Continue)).unwrap().0
 }
 
 fn check_family(name: &str, check_config: impl Fn(&selfspec::model::Config)) {

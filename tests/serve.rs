@@ -11,7 +11,7 @@ use candle_core::Device;
 use common::*;
 use http_body_util::BodyExt;
 use selfspec::cpu::quant::WeightFormat;
-use selfspec::decode::generate::{generate_plain, StopRule};
+use selfspec::decode::generate::{generate_plain, Flow, StopRule};
 use selfspec::decode::sampling::{rng, SamplingParams};
 use selfspec::draft::drafter::{Drafter, DRAFTING_FORMAT};
 use selfspec::model::loader::Target;
@@ -80,8 +80,8 @@ fn eight_concurrent_requests_get_exactly_what_generate_gives_them() {
         for (params, seed) in [(SamplingParams::greedy(), 0u64), (sampled.clone(), 100 + i as u64)] {
             let stop = StopRule { max_new_tokens: 48, eos_ids: &target.tokenizer.eos_ids };
             let opts = SpecOptions { tree: plan.tree.clone(), lookup: plan.lookup, datastore: None, rule: Rule::for_params(&params, false), params: params.clone(), stop };
-            let (out, _) = generate_spec(&target.model, &drafter, &ids, &opts, &mut rng(seed), &mut |_| Ok(())).unwrap();
-            let (plain, _) = generate_plain(&target.model, &ids, &params, &stop, &mut rng(seed), &mut |_| Ok(())).unwrap();
+            let (out, _) = generate_spec(&target.model, &drafter, &ids, &opts, &mut rng(seed), &mut |_| Ok(Flow::Continue)).unwrap();
+            let (plain, _) = generate_plain(&target.model, &ids, &params, &stop, &mut rng(seed), &mut |_| Ok(Flow::Continue)).unwrap();
             assert_eq!(out, plain, "prompt {i}: speculative and plain decoding differ");
             let eos = target.tokenizer.eos_ids.contains(out.last().unwrap());
             let text = target.tokenizer.decode(&out[..out.len() - eos as usize]).unwrap();
@@ -163,7 +163,7 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_going() {
     // The stop-string request below, decoded plainly: `usage` counts its tokens up to and
     // including the one that completes " 7", not those a step emitted after it.
     let ids = target.tokenizer.encode("1, 2, 3, 4,", true).unwrap();
-    let (plain, _) = generate_plain(&target.model, &ids, &SamplingParams::greedy(), &StopRule { max_new_tokens: 30, eos_ids: &target.tokenizer.eos_ids }, &mut rng(0), &mut |_| Ok(())).unwrap();
+    let (plain, _) = generate_plain(&target.model, &ids, &SamplingParams::greedy(), &StopRule { max_new_tokens: 30, eos_ids: &target.tokenizer.eos_ids }, &mut rng(0), &mut |_| Ok(Flow::Continue)).unwrap();
     let through_stop = (1..=plain.len()).find(|&n| target.tokenizer.decode(&plain[..n]).unwrap().contains(" 7")).expect("the plain answer reaches 7");
     // A character whose tokens run out at the end is dropped, not sent as U+FFFD.
     let cat = target.tokenizer.encode("猫", false).unwrap();

@@ -11,7 +11,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use common::*;
 use selfspec::draft::budget::{Budget, CostCurve};
-use selfspec::decode::generate::{generate_plain, StopRule};
+use selfspec::decode::generate::{generate_plain, Flow, StopRule};
 use selfspec::draft::heads::{Heads, HeadsConfig};
 use selfspec::draft::lookup::Lookup;
 use selfspec::model::loader::Fingerprint;
@@ -155,7 +155,7 @@ fn sample_runs(model: &Llama, heads: &Drafter, prompt: &[u32], params: &Sampling
     let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
     pool.install(|| {
         for seed in 0..n as u64 {
-            let (out, _) = generate_spec(model, heads, prompt, &opts, &mut rng(seed), &mut |_| Ok(())).unwrap();
+            let (out, _) = generate_spec(model, heads, prompt, &opts, &mut rng(seed), &mut |_| Ok(Flow::Continue)).unwrap();
             counts[(out[0] as usize * 16 + out[1] as usize) * 16 + out[2] as usize] += 1;
         }
     });
@@ -208,10 +208,10 @@ fn seeded_speculative_sampling_emits_plain_samplings_tokens() {
             let stop = StopRule { max_new_tokens: 12, eos_ids: &[] };
             let mut drafted = 0;
             for seed in 0..200u64 {
-                let (plain, _) = generate_plain(&model, &prompt, &params, &stop, &mut rng(seed), &mut |_| Ok(())).unwrap();
+                let (plain, _) = generate_plain(&model, &prompt, &params, &stop, &mut rng(seed), &mut |_| Ok(Flow::Continue)).unwrap();
                 for (tree, lk) in [(test_tree(), None), (auto_tree(6), Some(lookup)), (TreeChoice::Static(Tree::chain(2)), None)] {
                     let opts = SpecOptions { tree, lookup: lk, datastore: None, rule: Rule::Sample, params: params.clone(), stop: StopRule { max_new_tokens: 12, eos_ids: &[] } };
-                    let (spec, stats) = generate_spec(&model, &heads, &prompt, &opts, &mut rng(seed), &mut |_| Ok(())).unwrap();
+                    let (spec, stats) = generate_spec(&model, &heads, &prompt, &opts, &mut rng(seed), &mut |_| Ok(Flow::Continue)).unwrap();
                     assert_eq!(spec, plain, "seed {seed}, {params:?}");
                     drafted += stats.drafted.iter().filter(|&&d| d).count();
                 }
@@ -242,11 +242,11 @@ fn greedy_self_speculation_is_identical_to_plain_greedy() {
     for (i, item) in prompts.iter().take(20).enumerate() {
         let ids = t.encode_prompt(&item.turns[0], true).unwrap();
         let stop = StopRule { max_new_tokens: 128, eos_ids: &t.tokenizer.eos_ids };
-        let (plain, _) = generate_plain(&t.model, &ids, &params, &stop, &mut rng(0), &mut |_| Ok(())).unwrap();
+        let (plain, _) = generate_plain(&t.model, &ids, &params, &stop, &mut rng(0), &mut |_| Ok(Flow::Continue)).unwrap();
         tokens += plain.len();
         for (j, (name, tree)) in trees.iter().enumerate() {
             let opts = SpecOptions { tree: TreeChoice::Static(tree.clone()), lookup: None, datastore: None, rule: Rule::Greedy, params: params.clone(), stop: StopRule { max_new_tokens: 128, eos_ids: &t.tokenizer.eos_ids } };
-            let (spec, stats) = generate_spec(&t.model, &heads, &ids, &opts, &mut rng(0), &mut |_| Ok(())).unwrap();
+            let (spec, stats) = generate_spec(&t.model, &heads, &ids, &opts, &mut rng(0), &mut |_| Ok(Flow::Continue)).unwrap();
             assert_eq!(spec, plain, "prompt {i} ({}), tree {name}: self-speculative output differs from plain greedy", item.turns[0]);
             forwards[j] += stats.gen.target_forwards;
         }
@@ -254,6 +254,36 @@ fn greedy_self_speculation_is_identical_to_plain_greedy() {
     // Not a speed test: just that speculation really ran (fewer forwards than tokens).
     for (j, f) in forwards.iter().enumerate() {
         assert!(*f < tokens, "tree {j}: {f} forwards for {tokens} tokens");
+    }
+}
+
+/// A callback's `Flow::Stop` ends either decoder right after that token, with its statistics:
+/// a speculative step's later accepted tokens are dropped, not emitted.
+#[test]
+fn a_callback_can_end_the_run_after_any_token() {
+    let t = smollm2();
+    let heads = Drafter::Heads(Heads::from_dir(&committed_heads(), &t).unwrap());
+    let ids = t.encode_prompt("Count from one to twenty in words.", true).unwrap();
+    let params = SamplingParams::greedy();
+    let stop = StopRule { max_new_tokens: 40, eos_ids: &t.tokenizer.eos_ids };
+    let (full, _) = generate_plain(&t.model, &ids, &params, &stop, &mut rng(0), &mut |_| Ok(Flow::Continue)).unwrap();
+    assert!(full.len() > 12, "{full:?}");
+    let opts = SpecOptions { tree: TreeChoice::Static(Tree::chain(4)), lookup: None, datastore: None, rule: Rule::Greedy, params: params.clone(), stop };
+    let (_, whole) = generate_spec(&t.model, &heads, &ids, &opts, &mut rng(0), &mut |_| Ok(Flow::Continue)).unwrap();
+    assert!(whole.tau() > 1.0, "the heads must accept several tokens a step for this test to mean anything");
+    for k in [1usize, 2, 5, 11] {
+        let until = |k: usize| {
+            let mut seen = 0;
+            move |_| {
+                seen += 1;
+                Ok(if seen == k { Flow::Stop } else { Flow::Continue })
+            }
+        };
+        let (plain, ps) = generate_plain(&t.model, &ids, &params, &stop, &mut rng(0), &mut until(k)).unwrap();
+        assert_eq!((&plain[..], ps.new_tokens), (&full[..k], k), "plain, stopped after {k}");
+        let (spec, ss) = generate_spec(&t.model, &heads, &ids, &opts, &mut rng(0), &mut until(k)).unwrap();
+        assert_eq!((&spec[..], ss.gen.new_tokens), (&full[..k], k), "self-speculative, stopped after {k}");
+        assert!(ss.gen.target_forwards < k.max(2), "{k} tokens in {} forwards", ss.gen.target_forwards);
     }
 }
 
@@ -283,10 +313,10 @@ fn greedy_speculation_with_the_committed_draft_layer_is_exact() {
     for item in prompts.iter().skip(4).take(6) {
         let ids = t.encode_prompt(&item.turns[0], true).unwrap();
         let stop = StopRule { max_new_tokens: 96, eos_ids: &t.tokenizer.eos_ids };
-        let (plain, _) = generate_plain(&t.model, &ids, &params, &stop, &mut rng(0), &mut |_| Ok(())).unwrap();
+        let (plain, _) = generate_plain(&t.model, &ids, &params, &stop, &mut rng(0), &mut |_| Ok(Flow::Continue)).unwrap();
         for (tree, lookup) in &trees {
             let opts = SpecOptions { tree: tree.clone(), lookup: *lookup, datastore: None, rule: Rule::Greedy, params: params.clone(), stop: StopRule { max_new_tokens: 96, eos_ids: &t.tokenizer.eos_ids } };
-            let (spec, stats) = generate_spec(&t.model, &drafter, &ids, &opts, &mut rng(0), &mut |_| Ok(())).unwrap();
+            let (spec, stats) = generate_spec(&t.model, &drafter, &ids, &opts, &mut rng(0), &mut |_| Ok(Flow::Continue)).unwrap();
             assert_eq!(spec, plain, "{:?}, tree {tree:?}, lookup {lookup:?}: output differs from plain greedy", item.turns[0]);
             forwards += stats.gen.target_forwards;
             tokens += plain.len();
@@ -296,7 +326,7 @@ fn greedy_speculation_with_the_committed_draft_layer_is_exact() {
         // copies more that is accepted.
         for (store, count) in [(None, &mut copied_ctx), (Some(&ds), &mut copied_ds)] {
             let opts = SpecOptions { tree: TreeChoice::Static(Tree::chain(2)), lookup, datastore: store, rule: Rule::Greedy, params: params.clone(), stop: StopRule { max_new_tokens: 96, eos_ids: &t.tokenizer.eos_ids } };
-            let (spec, stats) = generate_spec(&t.model, &drafter, &ids, &opts, &mut rng(0), &mut |_| Ok(())).unwrap();
+            let (spec, stats) = generate_spec(&t.model, &drafter, &ids, &opts, &mut rng(0), &mut |_| Ok(Flow::Continue)).unwrap();
             assert_eq!(spec, plain, "{:?}, datastore {}: output differs from plain greedy", item.turns[0], store.is_some());
             *count += stats.lookup_accepted;
         }
@@ -321,10 +351,10 @@ fn greedy_speculation_with_the_committed_eagle3_layer_is_exact() {
     for item in prompts.iter().take(3) {
         let ids = t.encode_prompt(&item.turns[0], true).unwrap();
         let stop = || StopRule { max_new_tokens: 64, eos_ids: &t.tokenizer.eos_ids };
-        let (plain, _) = generate_plain(&t.model, &ids, &params, &stop(), &mut rng(0), &mut |_| Ok(())).unwrap();
+        let (plain, _) = generate_plain(&t.model, &ids, &params, &stop(), &mut rng(0), &mut |_| Ok(Flow::Continue)).unwrap();
         for tree in [TreeChoice::Static(Tree::chain(4)), TreeChoice::Dynamic(8)] {
             let opts = SpecOptions { tree: tree.clone(), lookup: None, datastore: None, rule: Rule::Greedy, params: params.clone(), stop: stop() };
-            let (spec, stats) = generate_spec(&t.model, &drafter, &ids, &opts, &mut rng(0), &mut |_| Ok(())).unwrap();
+            let (spec, stats) = generate_spec(&t.model, &drafter, &ids, &opts, &mut rng(0), &mut |_| Ok(Flow::Continue)).unwrap();
             assert_eq!(spec, plain, "{:?}, tree {tree:?}: output differs from plain greedy", item.turns[0]);
             forwards += stats.gen.target_forwards;
             tokens += plain.len();
@@ -343,8 +373,8 @@ fn a_draft_layer_without_its_f32_weights_drafts_the_same() {
     let ids = t.encode_prompt("Write a short poem about the sea.", true).unwrap();
     let params = SamplingParams::greedy();
     let opts = SpecOptions { tree: TreeChoice::Static(Tree::cpu_default()), lookup: None, datastore: None, rule: Rule::Greedy, params, stop: StopRule { max_new_tokens: 48, eos_ids: &t.tokenizer.eos_ids } };
-    let (a, sa) = generate_spec(&t.model, &kept, &ids, &opts, &mut rng(0), &mut |_| Ok(())).unwrap();
-    let (b, sb) = generate_spec(&t.model, &released, &ids, &opts, &mut rng(0), &mut |_| Ok(())).unwrap();
+    let (a, sa) = generate_spec(&t.model, &kept, &ids, &opts, &mut rng(0), &mut |_| Ok(Flow::Continue)).unwrap();
+    let (b, sb) = generate_spec(&t.model, &released, &ids, &opts, &mut rng(0), &mut |_| Ok(Flow::Continue)).unwrap();
     assert_eq!(a, b);
     // The same drafts: the same number of forwards for the same text.
     assert_eq!(sa.gen.target_forwards, sb.gen.target_forwards);
@@ -372,7 +402,7 @@ fn a_sequence_that_skips_drafting_on_some_steps_catches_up_and_stays_exact() {
     for item in prompts.iter().take(4) {
         let ids = t.encode_prompt(&item.turns[0], true).unwrap();
         let stop = StopRule { max_new_tokens: 80, eos_ids: &t.tokenizer.eos_ids };
-        let (plain, _) = generate_plain(&t.model, &ids, &params, &stop, &mut rng(0), &mut |_| Ok(())).unwrap();
+        let (plain, _) = generate_plain(&t.model, &ids, &params, &stop, &mut rng(0), &mut |_| Ok(Flow::Continue)).unwrap();
         for gaps in 0..3 {
             let opts = SpecOptions { tree: TreeChoice::Static(Tree::chain(3)), lookup: None, datastore: None, rule: Rule::Greedy, params: params.clone(), stop };
             let mut seq = Sequence::new(&t.model, Some(&drafter), &ids, opts, rng(0)).unwrap();
@@ -390,7 +420,7 @@ fn a_sequence_that_skips_drafting_on_some_steps_catches_up_and_stays_exact() {
                 let r = work.logit_rows(last);
                 let logits = (!r.is_empty()).then(|| t.model.logits(&hidden.narrow(0, r.start, r.len()).unwrap()).unwrap());
                 let n = work.tokens().len();
-                let emitted = seq.finish_work(&t.model, work, hidden, logits, n, 1.0, &mut |_, _| Ok(())).unwrap();
+                let emitted = seq.finish_work(&t.model, work, hidden, logits, n, 1.0, &mut |_, _| Ok(Flow::Continue)).unwrap();
                 if drafted {
                     hits[gaps] += emitted - 1;
                     steps[gaps] += 1;
@@ -419,10 +449,10 @@ fn greedy_speculation_is_exact_past_a_sliding_window() {
         for seed in 0..6u64 {
             let prompt: Vec<u32> = (0..100 + 10 * seed as usize).map(|i| ((i as u64 * 7 + seed) % 16) as u32).collect();
             let stop = StopRule { max_new_tokens: 120, eos_ids: &[] };
-            let (plain, _) = generate_plain(&model, &prompt, &SamplingParams::greedy(), &stop, &mut rng(0), &mut |_| Ok(())).unwrap();
+            let (plain, _) = generate_plain(&model, &prompt, &SamplingParams::greedy(), &stop, &mut rng(0), &mut |_| Ok(Flow::Continue)).unwrap();
             for tree in [test_tree(), TreeChoice::Static(Tree::chain(2)), auto_tree(6)] {
                 let opts = SpecOptions { tree, lookup: Some(Lookup { max_tokens: 3, min_match: 1, max_match: 2 }), datastore: None, rule: Rule::Greedy, params: SamplingParams::greedy(), stop };
-                let (spec, stats) = generate_spec(&model, &heads, &prompt, &opts, &mut rng(0), &mut |_| Ok(())).unwrap();
+                let (spec, stats) = generate_spec(&model, &heads, &prompt, &opts, &mut rng(0), &mut |_| Ok(Flow::Continue)).unwrap();
                 assert_eq!(spec, plain, "seed {seed}");
                 drafted += stats.drafted.iter().filter(|&&d| d).count();
             }
@@ -453,10 +483,10 @@ fn every_family_speculates_exactly() {
         let greedy = SamplingParams::greedy();
         for prompt in [vec![3u32, 7, 1, 3], vec![1, 2, 3, 4, 5, 6, 7, 8, 9], vec![0, 0, 15]] {
             let stop = || StopRule { max_new_tokens: 48, eos_ids: &[] };
-            let (plain, _) = generate_plain(&model, &prompt, &greedy, &stop(), &mut rng(0), &mut |_| Ok(())).unwrap();
+            let (plain, _) = generate_plain(&model, &prompt, &greedy, &stop(), &mut rng(0), &mut |_| Ok(Flow::Continue)).unwrap();
             for tree in [test_tree(), auto_tree(6)] {
                 let opts = SpecOptions { tree, lookup: None, datastore: None, rule: Rule::Greedy, params: greedy.clone(), stop: stop() };
-                let (spec, _) = generate_spec(&model, &heads, &prompt, &opts, &mut rng(0), &mut |_| Ok(())).unwrap();
+                let (spec, _) = generate_spec(&model, &heads, &prompt, &opts, &mut rng(0), &mut |_| Ok(Flow::Continue)).unwrap();
                 assert_eq!(spec, plain, "{name}: speculative greedy output differs from plain for {prompt:?}");
             }
         }

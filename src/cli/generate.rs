@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use selfspec::decode::generate::{check_budget, generate_plain, GenStats, StopRule, TextStream};
+use selfspec::decode::generate::{check_budget, generate_plain, Flow, GenStats, StopMatch, StopRule, TextStream};
 use selfspec::model::tokenizer::Message;
 use selfspec::decode::sampling::rng;
 use selfspec::spec::plan::{Plan, DEFAULT_TREE};
@@ -40,6 +40,10 @@ pub struct GenerateArgs {
     /// Decode past the end-of-sequence token, to --max-tokens (for benchmarks of a fixed length).
     #[arg(long)]
     ignore_eos: bool,
+    /// End the answer where this text appears (repeat for several), as vLLM's `stop` and
+    /// llama-cli's `-r`; the text itself is not printed.
+    #[arg(long, value_name = "TEXT")]
+    stop: Vec<String>,
     #[command(flatten)]
     sampling: SamplingArgs,
     #[command(flatten)]
@@ -93,8 +97,9 @@ fn read_prompt(a: &GenerateArgs) -> Result<String> {
 }
 
 /// Why decoding ended, for the summary (llama-cli's "[end of text]").
-fn stop_reason(out: &[u32], eos: &[u32], budget: usize, asked: usize) -> String {
+fn stop_reason(out: &[u32], eos: &[u32], budget: usize, asked: usize, stop_text: bool) -> String {
     match out.last() {
+        _ if stop_text => "stopped at a --stop text".into(),
         Some(t) if eos.contains(t) => "stopped at end of sequence".into(),
         _ if out.len() >= asked => format!("stopped at --max-tokens {asked}"),
         _ if out.len() >= budget => format!("stopped: the context is full ({budget} new tokens fit after the prompt)"),
@@ -106,6 +111,9 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     let params = a.sampling.params()?;
     if a.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
+    }
+    if a.stop.iter().any(String::is_empty) {
+        bail!("--stop: the text is empty (it would end every answer before it began)");
     }
     if a.lossy_typical && a.drafter.drafter.is_none() {
         bail!("--lossy-typical changes how drafted tokens are accepted; it needs --drafter DIR");
@@ -131,35 +139,36 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     }
     let eos: &[u32] = if a.ignore_eos { &[] } else { &target.tokenizer.eos_ids };
     let stop = StopRule { max_new_tokens: a.max_tokens, eos_ids: eos };
-    let mut stream = TextStream::new(&target.tokenizer);
+    let mut text = Answer::new(&target.tokenizer, &a.stop);
     let mut stdout = std::io::stdout().lock();
     // A reader that goes away (`| head`) ends decoding at once, quietly, as for other tools.
     let mut closed = false;
-    let mut print = |t: u32| -> selfspec::Result<()> {
-        if let Some(s) = stream.push(t)? {
-            if let Err(err) = stdout.write_all(s.as_bytes()).and_then(|_| stdout.flush()) {
-                closed = err.kind() == std::io::ErrorKind::BrokenPipe;
-                return Err(selfspec::Error::Io { path: "standard output".into(), err });
-            }
+    let mut print = |t: u32| -> selfspec::Result<Flow> {
+        let (s, flow) = text.push(t)?;
+        if let Err(err) = stdout.write_all(s.as_bytes()).and_then(|_| stdout.flush()) {
+            closed = err.kind() == std::io::ErrorKind::BrokenPipe;
+            return Err(selfspec::Error::Io { path: "standard output".into(), err });
         }
-        Ok(())
+        Ok(flow)
     };
     let mut r = rng(a.sampling.seed);
     let Some(drafter) = drafter else {
         let result = generate_plain(&target.model, &ids, &params, &stop, &mut r, &mut print);
-        let Some((out, stats)) = ended(result, closed, &mut stream)? else { return Ok(()) };
-        eprintln!("{}; {}", plain_summary(&stats), stop_reason(&out, eos, budget, a.max_tokens));
+        let Some((out, stats)) = ended(result, closed, &mut text)? else { return Ok(()) };
+        eprintln!("{}; {}", plain_summary(&stats), stop_reason(&out, eos, budget, a.max_tokens, text.stop.hit));
         return Ok(());
     };
     let rule = Rule::for_params(&params, a.lossy_typical);
     let ds = a.drafter.datastore(&target)?;
     let opts = SpecOptions { tree: plan.tree, lookup: plan.lookup, datastore: ds.as_ref(), rule, params: params.clone(), stop };
     let result = generate_spec(&target.model, &drafter, &ids, &opts, &mut r, &mut print);
-    let Some((spec_out, stats)) = ended(result, closed, &mut stream)? else { return Ok(()) };
-    eprintln!("{}; {}", spec_summary(&stats, a.lossy_typical), stop_reason(&spec_out, eos, budget, a.max_tokens));
+    let Some((spec_out, stats)) = ended(result, closed, &mut text)? else { return Ok(()) };
+    eprintln!("{}; {}", spec_summary(&stats, a.lossy_typical), stop_reason(&spec_out, eos, budget, a.max_tokens, text.stop.hit));
     if a.compare {
         let stop = StopRule { max_new_tokens: a.max_tokens, eos_ids: eos };
-        let (plain_out, plain) = generate_plain(&target.model, &ids, &params, &stop, &mut rng(a.sampling.seed), &mut |_| Ok(()))?;
+        // The same stop texts end the plain run, unprinted, so the two outputs compare.
+        let mut quiet = Answer::new(&target.tokenizer, &a.stop);
+        let (plain_out, plain) = generate_plain(&target.model, &ids, &params, &stop, &mut rng(a.sampling.seed), &mut |t| Ok(quiet.push(t)?.1))?;
         eprintln!("{}", plain_summary(&plain));
         let same = match (params.is_greedy() && !a.lossy_typical, spec_out == plain_out) {
             (false, _) => "",
@@ -180,21 +189,45 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     Ok(())
 }
 
+/// The answer's text as tokens arrive: complete characters, less what could still grow into a
+/// `--stop` text, cut where one appears.
+struct Answer<'a> {
+    stream: TextStream<'a>,
+    stop: StopMatch,
+}
+
+impl<'a> Answer<'a> {
+    fn new(tok: &'a selfspec::model::tokenizer::Tokenizer, stops: &[String]) -> Self {
+        Answer { stream: TextStream::new(tok), stop: StopMatch::new(stops.to_vec()) }
+    }
+    /// Text to print now, and whether decoding goes on.
+    fn push(&mut self, t: u32) -> selfspec::Result<(String, Flow)> {
+        let piece = self.stream.push(t)?.unwrap_or_default();
+        let (text, hit) = self.stop.push(&piece, false);
+        Ok((text, if hit { Flow::Stop } else { Flow::Continue }))
+    }
+    /// What is left to print once decoding has ended.
+    fn finish(&mut self) -> selfspec::Result<String> {
+        let rest = self.stream.finish()?.unwrap_or_default();
+        Ok(self.stop.push(&rest, true).0)
+    }
+}
+
 /// A decoding run's result once its text is out: None when the reader has gone (`closed`: the
 /// run was cut short by a broken pipe, or the last write found one), which ends quietly.
-fn ended<T>(result: selfspec::Result<T>, closed: bool, stream: &mut TextStream) -> Result<Option<T>> {
+fn ended<T>(result: selfspec::Result<T>, closed: bool, text: &mut Answer) -> Result<Option<T>> {
     if closed {
         return Ok(None);
     }
     let done = result?;
-    Ok(finish_stream(stream)?.then_some(done))
+    Ok(finish_stream(text)?.then_some(done))
 }
 
 /// The text held back and a last newline; false when the reader has gone (a broken pipe, which
 /// ends the run quietly, as a reader that leaves mid-stream does).
-fn finish_stream(stream: &mut TextStream) -> Result<bool> {
+fn finish_stream(text: &mut Answer) -> Result<bool> {
     let mut stdout = std::io::stdout().lock();
-    let rest = stream.finish()?.unwrap_or_default();
+    let rest = text.finish()?;
     match stdout.write_all(rest.as_bytes()).and_then(|_| writeln!(stdout)).and_then(|_| stdout.flush()) {
         Ok(()) => Ok(true),
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(false),

@@ -38,6 +38,15 @@ impl GenStats {
     }
 }
 
+/// What a token callback tells the decoding loop after seeing a token: go on, or end the run
+/// here (a stop string appeared, the reader left), keeping the tokens so far and the run's
+/// statistics, which an error would lose.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flow {
+    Continue,
+    Stop,
+}
+
 /// Stop conditions shared by every decoder.
 #[derive(Clone, Copy)]
 pub struct StopRule<'a> {
@@ -69,14 +78,15 @@ pub fn prefill(model: &Llama, prompt: &[u32]) -> Result<(KvCache, Vec<f32>, cand
     Ok((cache, row_to_vec(&logits, 0)?, hidden))
 }
 
-/// Plain decoding. `on_token` sees every emitted token as soon as it exists.
+/// Plain decoding. `on_token` sees every emitted token as soon as it exists, and may end the
+/// run after it ([`Flow::Stop`]).
 pub fn generate_plain(
     model: &Llama,
     prompt: &[u32],
     params: &SamplingParams,
     stop: &StopRule,
     rng: &mut Rng64,
-    on_token: &mut dyn FnMut(u32) -> Result<()>,
+    on_token: &mut dyn FnMut(u32) -> Result<Flow>,
 ) -> Result<(Vec<u32>, GenStats)> {
     params.validate()?;
     let budget = check_budget(prompt.len(), stop.max_new_tokens, model.config().max_position)?;
@@ -91,8 +101,8 @@ pub fn generate_plain(
         let tok = params.choose(&logits, &history, rng);
         out.push(tok);
         history.push(tok);
-        on_token(tok)?;
-        if stop.eos_ids.contains(&tok) || out.len() >= budget || cache.len() + 1 >= model.config().max_position {
+        let flow = on_token(tok)?;
+        if flow == Flow::Stop || stop.eos_ids.contains(&tok) || out.len() >= budget || cache.len() + 1 >= model.config().max_position {
             break;
         }
         let h = model.forward_causal(&[tok], &mut cache)?;
@@ -156,6 +166,51 @@ impl<'a> TextStream<'a> {
     }
 }
 
+/// Stop strings over streamed text: passes text on, holding back a tail that could still grow
+/// into a stop string, and cuts the answer where one appears.
+pub struct StopMatch {
+    stops: Vec<String>,
+    pending: String,
+    pub hit: bool,
+}
+
+impl StopMatch {
+    pub fn new(stops: Vec<String>) -> Self {
+        StopMatch { stops: stops.into_iter().filter(|s| !s.is_empty()).collect(), pending: String::new(), hit: false }
+    }
+
+    /// Add `text`; returns what may be sent now and whether a stop string was found (the text
+    /// before it is returned, the rest dropped). `last`: no more text will come.
+    pub fn push(&mut self, text: &str, last: bool) -> (String, bool) {
+        if self.hit {
+            return (String::new(), true);
+        }
+        self.pending.push_str(text);
+        if let Some(at) = self.stops.iter().filter_map(|s| self.pending.find(s.as_str())).min() {
+            self.hit = true;
+            let out = self.pending[..at].to_string();
+            self.pending.clear();
+            return (out, true);
+        }
+        if last {
+            return (std::mem::take(&mut self.pending), false);
+        }
+        // Hold back the longest tail that is a proper prefix of some stop string.
+        let mut keep = 0;
+        for s in &self.stops {
+            for (n, _) in s.char_indices().skip(1) {
+                if self.pending.ends_with(&s[..n]) {
+                    keep = keep.max(n);
+                }
+            }
+        }
+        let cut = self.pending.len() - keep;
+        let out = self.pending[..cut].to_string();
+        self.pending.drain(..cut);
+        (out, false)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -168,5 +223,22 @@ mod tests {
         let s = GenStats { new_tokens: 11, target_forwards: 5, decode_secs: 0.5, ..Default::default() };
         assert_eq!(s.tau(), 2.0);
         assert_eq!(s.decode_tok_s(), 20.0, "the first token is the prefill's");
+    }
+
+    #[test]
+    fn stop_strings_cut_the_answer_and_hold_back_partial_matches() {
+        let mut s = StopMatch::new(vec!["\n\nUser:".into(), "END".into()]);
+        assert_eq!(s.push("Hello", false), ("Hello".into(), false));
+        assert_eq!(s.push(" world\n", false), (" world".into(), false), "a newline may start a stop string");
+        assert_eq!(s.push("\nUs", false), (String::new(), false));
+        assert_eq!(s.push("x", false), ("\n\nUsx".into(), false), "no longer a prefix");
+        assert_eq!(s.push("EN", false), (String::new(), false));
+        assert_eq!(s.push("D and more", false), (String::new(), true));
+        assert_eq!(s.push("anything", false), (String::new(), true), "stays stopped");
+        let mut t = StopMatch::new(vec!["xyz".into()]);
+        assert_eq!(t.push("abc x", false), ("abc ".into(), false));
+        assert_eq!(t.push("", true), ("x".into(), false), "the held-back tail is sent at the end");
+        let mut none = StopMatch::new(vec![]);
+        assert_eq!(none.push("é", false), ("é".into(), false));
     }
 }

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use crate::data::PromptItem;
-use crate::decode::generate::{generate_plain, StopRule};
+use crate::decode::generate::{generate_plain, Flow, StopRule};
 use crate::draft::drafter::Drafter;
 use crate::model::loader::Target;
 use crate::decode::sampling::{rng, SamplingParams};
@@ -188,7 +188,7 @@ pub fn evaluate(target: &Target, drafter: &Drafter, prompts: &[PromptItem], opts
     if let Some(first) = prompts.first() {
         let ids = target.prompt_ids(&[Message::new("user", first.turns[0].clone())])?;
         let stop = StopRule { max_new_tokens: 8, eos_ids: &eos };
-        generate_plain(&target.model, &ids, &opts.params, &stop, &mut rng(0), &mut |_| Ok(()))?;
+        generate_plain(&target.model, &ids, &opts.params, &stop, &mut rng(0), &mut |_| Ok(Flow::Continue))?;
     }
     // `auto` trees: time this device's forward once for all prompts.
     let plans: Vec<Plan> = opts
@@ -212,12 +212,12 @@ pub fn evaluate(target: &Target, drafter: &Drafter, prompts: &[PromptItem], opts
             let ids = target.prompt_ids(&messages)?;
             let seed = opts.seed.wrapping_add((pi * 16 + ti) as u64);
             let stop = StopRule { max_new_tokens: opts.max_tokens, eos_ids: &eos };
-            let (plain_out, plain) = generate_plain(&target.model, &ids, &opts.params, &stop, &mut rng(seed), &mut |_| Ok(()))?;
+            let (plain_out, plain) = generate_plain(&target.model, &ids, &opts.params, &stop, &mut rng(seed), &mut |_| Ok(Flow::Continue))?;
             let mut specs = Vec::new();
             let mut identical = Vec::new();
             for (j, plan) in plans.iter().enumerate() {
                 let so = SpecOptions { tree: plan.tree.clone(), lookup: plan.lookup, datastore: opts.datastore, rule, params: opts.params.clone(), stop: StopRule { max_new_tokens: opts.max_tokens, eos_ids: &eos } };
-                let (out, st) = generate_spec(&target.model, drafter, &ids, &so, &mut rng(seed), &mut |_| Ok(()))?;
+                let (out, st) = generate_spec(&target.model, drafter, &ids, &so, &mut rng(seed), &mut |_| Ok(Flow::Continue))?;
                 identical.push(if greedy { Some(out == plain_out) } else { None });
                 if pi == 0 && ti == 0 && j == 0 {
                     sample = (target.tokenizer.decode(&out)?, mark_drafted(target, &out, &st.drafted)?);

@@ -6,7 +6,7 @@ use std::path::Path;
 use serde::Serialize;
 
 use crate::data::PromptItem;
-use crate::decode::generate::{generate_plain, StopRule};
+use crate::decode::generate::{generate_plain, Flow, StopRule};
 use crate::decode::sampling::{rng, SamplingParams};
 use crate::draft::choice::TreeChoice;
 use crate::draft::datastore::Datastore;
@@ -143,7 +143,7 @@ pub fn rank_accuracy(target: &Target, drafter: &Drafter, prompts: &[PromptItem],
     for item in prompts {
         let ids = target.prompt_ids(&[crate::model::tokenizer::Message::new("user", item.turns[0].clone())])?;
         let stop = StopRule { max_new_tokens: max_tokens, eos_ids: &eos };
-        let (out, _) = generate_plain(&target.model, &ids, &SamplingParams::greedy(), &stop, &mut rng(0), &mut |_| Ok(()))?;
+        let (out, _) = generate_plain(&target.model, &ids, &SamplingParams::greedy(), &stop, &mut rng(0), &mut |_| Ok(Flow::Continue))?;
         let mut seq = ids.clone();
         seq.extend(&out);
         let mut cache = target.model.new_cache()?;

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use candle_core::Tensor;
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::decode::generate::{StopRule, TextStream};
+use crate::decode::generate::{Flow, StopMatch, StopRule, TextStream};
 use crate::decode::sampling::{rng, SamplingParams};
 use crate::draft::budget::{choose_nodes_batch, CostCurve, LiveCosts};
 use crate::draft::choice::TreeChoice;
@@ -403,7 +403,7 @@ fn step(model: &crate::model::Llama, active: &mut [Active], batch_costs: &mut Op
         };
         let a = &mut active[i];
         let was_decoding = a.seq.is_decoding();
-        let n = match a.seq.finish_work(model, w, h, l, rows, ms, &mut |_, _| Ok(())) {
+        let n = match a.seq.finish_work(model, w, h, l, rows, ms, &mut |_, _| Ok(Flow::Continue)) {
             Ok(n) => n,
             Err(e) => {
                 a.fail(e);
@@ -587,71 +587,9 @@ fn finish(a: Active, m: &Metrics) {
     let _ = events.send(Event::Done(summary));
 }
 
-/// Stop strings over streamed text: passes text on, holding back a tail that could still grow
-/// into a stop string, and cuts the answer where one appears.
-pub struct StopMatch {
-    stops: Vec<String>,
-    pending: String,
-    pub hit: bool,
-}
-
-impl StopMatch {
-    pub fn new(stops: Vec<String>) -> Self {
-        StopMatch { stops: stops.into_iter().filter(|s| !s.is_empty()).collect(), pending: String::new(), hit: false }
-    }
-
-    /// Add `text`; returns what may be sent now and whether a stop string was found (the text
-    /// before it is returned, the rest dropped). `last`: no more text will come.
-    pub fn push(&mut self, text: &str, last: bool) -> (String, bool) {
-        if self.hit {
-            return (String::new(), true);
-        }
-        self.pending.push_str(text);
-        if let Some(at) = self.stops.iter().filter_map(|s| self.pending.find(s.as_str())).min() {
-            self.hit = true;
-            let out = self.pending[..at].to_string();
-            self.pending.clear();
-            return (out, true);
-        }
-        if last {
-            return (std::mem::take(&mut self.pending), false);
-        }
-        // Hold back the longest tail that is a proper prefix of some stop string.
-        let mut keep = 0;
-        for s in &self.stops {
-            for (n, _) in s.char_indices().skip(1) {
-                if self.pending.ends_with(&s[..n]) {
-                    keep = keep.max(n);
-                }
-            }
-        }
-        let cut = self.pending.len() - keep;
-        let out = self.pending[..cut].to_string();
-        self.pending.drain(..cut);
-        (out, false)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn stop_strings_cut_the_answer_and_hold_back_partial_matches() {
-        let mut s = StopMatch::new(vec!["\n\nUser:".into(), "END".into()]);
-        assert_eq!(s.push("Hello", false), ("Hello".into(), false));
-        assert_eq!(s.push(" world\n", false), (" world".into(), false), "a newline may start a stop string");
-        assert_eq!(s.push("\nUs", false), (String::new(), false));
-        assert_eq!(s.push("x", false), ("\n\nUsx".into(), false), "no longer a prefix");
-        assert_eq!(s.push("EN", false), (String::new(), false));
-        assert_eq!(s.push("D and more", false), (String::new(), true));
-        assert_eq!(s.push("anything", false), (String::new(), true), "stays stopped");
-        let mut t = StopMatch::new(vec!["xyz".into()]);
-        assert_eq!(t.push("abc x", false), ("abc ".into(), false));
-        assert_eq!(t.push("", true), ("x".into(), false), "the held-back tail is sent at the end");
-        let mut none = StopMatch::new(vec![]);
-        assert_eq!(none.push("é", false), ("é".into(), false));
-    }
 
     #[test]
     fn drafting_is_kept_where_it_measured_faster_and_the_loser_is_retried() {

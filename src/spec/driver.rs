@@ -3,13 +3,15 @@
 //! compacted to the accepted path.
 use std::time::Instant;
 
+use crate::decode::generate::Flow;
 use crate::decode::sampling::Rng64;
 use crate::draft::drafter::Drafter;
 use crate::model::Llama;
 use crate::spec::session::{Sequence, SpecOptions, SpecStats};
 use crate::Result;
 
-/// Generate with self-speculation. `on_token` sees each emitted token as soon as it is accepted.
+/// Generate with self-speculation. `on_token` sees each emitted token as soon as it is
+/// accepted, and may end the run after it ([`Flow::Stop`]: the step's later tokens are dropped).
 /// A [`Sequence`] stepped alone: each step's forward holds this sequence's tree only, cut by
 /// its own cost curve.
 pub fn generate_spec(
@@ -18,7 +20,7 @@ pub fn generate_spec(
     prompt: &[u32],
     opts: &SpecOptions,
     rng: &mut Rng64,
-    on_token: &mut dyn FnMut(u32) -> Result<()>,
+    on_token: &mut dyn FnMut(u32) -> Result<Flow>,
 ) -> Result<(Vec<u32>, SpecStats)> {
     let mut seq = Sequence::new(model, Some(drafter), prompt, opts.clone(), rng.clone())?;
     while let Some(work) = seq.next_work(model, usize::MAX, true)? {

@@ -13,7 +13,7 @@ use candle_core::Tensor;
 
 use crate::cpu::attention::TreeMask;
 use crate::cpu::reduce::{row_to_vec, with_rows};
-use crate::decode::generate::{check_budget, GenStats, StopRule};
+use crate::decode::generate::{check_budget, Flow, GenStats, StopRule};
 use crate::decode::sampling::{Rng64, SamplingParams};
 use crate::draft::budget::{choose_at_least, choose_nodes, probe_size, Budget, Calibration, CostCurve, Draft, LiveCosts, AFFORDABLE_COST, AUTO_NODES, EXPLORE_EVERY};
 use crate::draft::choice::TreeChoice;
@@ -414,9 +414,9 @@ impl<'d> Sequence<'d> {
     /// The driver ran `work`'s rows through the target (`forward_ms` for the whole forward,
     /// over `rows` rows in all): `hidden` holds this sequence's rows' final hidden states and
     /// `logits` the logits of its [`Work::logit_rows`]. Verifies, emits (each new token passed
-    /// to `on_token` with whether it was drafted) and commits. Returns the tokens emitted.
+    /// to `on_token` with whether it was drafted; a [`Flow::Stop`] ends the sequence after that token) and commits. Returns the tokens emitted.
     #[allow(clippy::too_many_arguments)]
-    pub fn finish_work(&mut self, model: &Llama, work: Work, hidden: Tensor, logits: Option<Tensor>, rows: usize, forward_ms: f64, on_token: &mut dyn FnMut(u32, bool) -> Result<()>) -> Result<usize> {
+    pub fn finish_work(&mut self, model: &Llama, work: Work, hidden: Tensor, logits: Option<Tensor>, rows: usize, forward_ms: f64, on_token: &mut dyn FnMut(u32, bool) -> Result<Flow>) -> Result<usize> {
         let before = self.out.len();
         match (work, &mut self.phase) {
             (Work::Prefill { tokens, .. }, Phase::Prefill { done, hidden: hs }) => {
@@ -510,12 +510,12 @@ impl<'d> Sequence<'d> {
         Ok(self.out.len() - before)
     }
 
-    fn emit(&mut self, tok: u32, drafted: bool, on_token: &mut dyn FnMut(u32, bool) -> Result<()>) -> Result<bool> {
+    fn emit(&mut self, tok: u32, drafted: bool, on_token: &mut dyn FnMut(u32, bool) -> Result<Flow>) -> Result<bool> {
         self.out.push(tok);
         self.history.push(tok);
         self.stats.drafted.push(drafted);
-        on_token(tok, drafted)?;
-        Ok(self.opts.stop.eos_ids.contains(&tok) || self.out.len() >= self.budget)
+        let flow = on_token(tok, drafted)?;
+        Ok(flow == Flow::Stop || self.opts.stop.eos_ids.contains(&tok) || self.out.len() >= self.budget)
     }
 
     /// The tokens, the run's statistics (drafting accuracy scored against what the target

@@ -4,7 +4,7 @@ use std::io::Write;
 use std::path::Path;
 
 use crate::data::{DistillRecord, PromptItem};
-use crate::decode::generate::{check_budget, generate_plain, prefill, StopRule};
+use crate::decode::generate::{check_budget, generate_plain, prefill, Flow, StopRule};
 use crate::cpu::TreeMask;
 use crate::model::kv_cache::KvCache;
 use crate::cpu::reduce::rows_to_vec;
@@ -96,7 +96,7 @@ pub fn answer(target: &Target, item: &PromptItem, params: &SamplingParams, max_t
         messages.push(Message::new("user", turn.clone()));
         let ids = target.prompt_ids(&messages)?;
         let stop = StopRule { max_new_tokens: max_tokens, eos_ids: &target.tokenizer.eos_ids };
-        let (mut out, _) = generate_plain(&target.model, &ids, params, &stop, &mut r, &mut |_| Ok(()))?;
+        let (mut out, _) = generate_plain(&target.model, &ids, params, &stop, &mut r, &mut |_| Ok(Flow::Continue))?;
         total += out.len();
         if out.last().is_some_and(|t| target.tokenizer.is_eos(*t)) {
             out.pop();
