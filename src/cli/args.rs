@@ -25,7 +25,7 @@ pub struct ModelArgs {
     pub device: String,
     /// CPU weight format: f32 (dequantised reference), f16, bf16 (AMX tiles where the CPU has
     /// them, slow elsewhere), q8_0, or native (the GGUF's own Q8_0/Q4_0/Q4_1/Q5_0/Q4_K/Q6_K
-    /// blocks, int8 arithmetic; F32/F16 tensors kept as they are, other types requantised to Q8_0). GPUs always use f32. [default: f32; bench: all]
+    /// blocks, int8 arithmetic; F32/F16 tensors kept as they are, other types requantised to Q8_0). GPUs always use f32. [default: native on the CPU, f32 on GPUs; train: f32; bench: all]
     #[arg(long)]
     pub weights: Option<WeightFormat>,
     /// KV cache element type: f16 (half the bytes for attention to read; the default on the
@@ -35,9 +35,19 @@ pub struct ModelArgs {
 }
 
 impl ModelArgs {
-    /// Load the target in the format asked for (f32 unless `--weights`).
+    /// Load the target in the format asked for, else in [`ModelArgs::default_weights`].
     pub fn load(&self) -> Result<Target> {
-        self.load_as(self.weights.unwrap_or(WeightFormat::F32))
+        self.load_as(self.default_weights()?)
+    }
+
+    /// `--weights`, else the file's own blocks on the CPU, as llama.cpp runs a GGUF (an f32
+    /// copy of a 4-bit file is 7x the memory and decodes 7x slower), else f32 (GPUs).
+    pub fn default_weights(&self) -> Result<WeightFormat> {
+        Ok(match self.weights {
+            Some(w) => w,
+            None if parse_device(&self.device)?.is_cpu() => WeightFormat::Native,
+            None => WeightFormat::F32,
+        })
     }
 
     pub fn load_as(&self, weights: WeightFormat) -> Result<Target> {

@@ -165,7 +165,8 @@ pub fn run(a: TrainArgs) -> Result<()> {
     if !a.validate_only {
         selfspec::files::check_writable_dir(&a.out)?;
     }
-    let mut target = a.model.load()?;
+    // f32 unless asked: the reference states the recipes that rely on the default recorded.
+    let mut target = a.model.load_as(a.model.weights.unwrap_or(selfspec::WeightFormat::F32))?;
     let docs = selfspec::data::read_corpus(&a.data, &|m| target.render_conversation(m))?;
     let kind = if cfg.draft_layer { "a draft layer".to_string() } else { format!("{} heads", cfg.num_heads) };
     if a.validate_only {
