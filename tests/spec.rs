@@ -363,6 +363,56 @@ fn greedy_speculation_with_the_committed_eagle3_layer_is_exact() {
     assert!(forwards * 5 < tokens * 4, "{forwards} forwards for {tokens} tokens: the layer hardly drafts");
 }
 
+/// `Drafter::for_drafting` reads a 4-bit layer straight into its blocks: the same trees, token
+/// for token and score for score, as loading it through f32 and re-packing, for the committed
+/// EAGLE-3 layer and an EAGLE layer stored in 4-bit blocks; a block with a NaN scale is refused
+/// by name.
+#[test]
+fn a_four_bit_layer_loaded_straight_into_blocks_drafts_the_same() {
+    use selfspec::cpu::quant::WeightFormat;
+    use selfspec::draft::layer::StoreFormat;
+    let mut t = selfspec::model::loader::Target::load_with(&common::smollm2_path(), &candle_core::Device::Cpu, WeightFormat::Native).unwrap();
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/drafters");
+    // The EAGLE layer is committed in 8-bit blocks (no 4-bit rows: the f32 path loads it); a
+    // 4-bit copy of it takes the direct path.
+    let eagle_q4 = common::scratch("eagle-layer-q4");
+    let Drafter::Layer(full) = Drafter::from_dir_as(&root.join("smollm2-layer"), &t, WeightFormat::F32).unwrap() else { panic!("a draft layer") };
+    full.save_as(&eagle_q4, StoreFormat::Q4).unwrap();
+    let prompt = t.encode_prompt("Explain how a refrigerator keeps food cold, step by step.", true).unwrap();
+    for dir in [root.join("smollm2-eagle3"), eagle_q4.clone(), root.join("smollm2-layer")] {
+        let (direct, _) = Drafter::for_drafting(&dir, &t, WeightFormat::Native).unwrap();
+        let (mut via_f32, _) = Drafter::from_dir_noted(&dir, &t, WeightFormat::Native).unwrap();
+        via_f32.release_f32_weights();
+        direct.attach(&mut t).unwrap();
+        let mut cache = t.model.new_cache().unwrap();
+        let hidden = t.model.forward_causal(&prompt, &mut cache).unwrap();
+        let (mut a, mut b) = (direct.start(&t.model, &hidden, &prompt, 42).unwrap(), via_f32.start(&t.model, &hidden, &prompt, 42).unwrap());
+        for step in 0..3 {
+            let choice = TreeChoice::Dynamic(12);
+            let (pa, pb) = (a.propose(&t.model, 42, &choice, 4, 64, 0.0).unwrap(), b.propose(&t.model, 42, &choice, 4, 64, 0.0).unwrap());
+            assert_eq!((&pa.tokens, &pa.scores, pa.tree.len()), (&pb.tokens, &pb.scores, pb.tree.len()), "{}: step {step}", dir.display());
+            assert!(pa.tree.len() > 1, "it drafted");
+            // Commit the root and its first child with made-up target states (the same for both).
+            let feats = hidden.narrow(0, 0, 2).unwrap();
+            a.commit(&t.model, &feats, &[0, 1], &[pa.tokens[1], 7]).unwrap();
+            b.commit(&t.model, &feats, &[0, 1], &[pa.tokens[1], 7]).unwrap();
+        }
+    }
+    // A non-finite scale in the stored blocks: refused with the file named, not drafted from.
+    let broken = common::scratch("eagle3-nan-scale");
+    let src = root.join("smollm2-eagle3");
+    std::fs::copy(src.join("draft.json"), broken.join("draft.json")).unwrap();
+    let mut ts = candle_core::safetensors::load(src.join("draft.safetensors"), &candle_core::Device::Cpu).unwrap();
+    let name = "model.layers.0.mlp.up_proj.weight.q4_1";
+    let q = &ts[name];
+    let mut bytes: Vec<u8> = q.flatten_all().unwrap().to_vec1().unwrap();
+    bytes[40..42].copy_from_slice(&half::f16::NAN.to_le_bytes());
+    ts.insert(name.into(), candle_core::Tensor::from_vec(bytes, q.dims(), &candle_core::Device::Cpu).unwrap());
+    candle_core::safetensors::save(&ts, broken.join("draft.safetensors")).unwrap();
+    let e = Drafter::for_drafting(&broken, &t, WeightFormat::Native).err().expect("refused").to_string();
+    assert!(e.contains("draft.safetensors") && e.contains("up_proj") && e.contains("non-finite"), "{e}");
+}
+
 #[test]
 fn a_draft_layer_without_its_f32_weights_drafts_the_same() {
     let t = selfspec::model::loader::Target::load_with(&common::smollm2_path(), &candle_core::Device::Cpu, selfspec::cpu::quant::WeightFormat::Native).unwrap();

@@ -160,13 +160,12 @@ impl DrafterArgs {
     pub fn load(&self, target: &mut Target) -> Result<Option<Drafter>> {
         Ok(match &self.drafter {
             Some(dir) => {
-                let (mut d, note) = Drafter::from_dir_noted(dir, target, self.draft_weights)?;
+                // Loaded to draft: no f32 weights are kept (or, from 4-bit files, made).
+                let (d, note) = Drafter::for_drafting(dir, target, self.draft_weights)?;
                 d.attach(target)?;
                 if let Some(n) = note {
                     eprintln!("note: {n}");
                 }
-                // Loaded to draft: its f32 weights are not read again.
-                d.release_f32_weights();
                 Some(d)
             }
             None => None,

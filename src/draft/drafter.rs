@@ -67,6 +67,21 @@ impl Drafter {
         Ok((d, note))
     }
 
+    /// Load `dir` to draft with and for nothing else (not to train from, re-pack or save): only
+    /// the packed copies it drafts from are kept ([`Drafter::release_f32_weights`]), and a draft
+    /// layer stored in 4-bit blocks is read straight into them when it drafts in those
+    /// ([`DraftLayer::from_dir_packed`]), with the same drafts as [`Drafter::from_dir_noted`].
+    pub fn for_drafting(dir: &Path, target: &Target, format: WeightFormat) -> Result<(Self, Option<String>)> {
+        if dir.join(LAYER_CONFIG_FILE).exists() {
+            if let Some(l) = DraftLayer::from_dir_packed(dir, target, format)? {
+                return Ok((Drafter::Layer(l), None));
+            }
+        }
+        let (mut d, note) = Self::from_dir_noted(dir, target, format)?;
+        d.release_f32_weights();
+        Ok((d, note))
+    }
+
     /// The target layers whose inputs it reads beside the final states (an EAGLE-3 layer's;
     /// none for the others).
     pub fn feature_layers(&self) -> &[usize] {

@@ -83,19 +83,31 @@ fn quantize_q4(t: &Tensor) -> Result<Option<Tensor>> {
     Ok(Some(Tensor::from_vec(q.row_range(0, rows), (rows, cols / Q8_BLOCK * 20), t.device())?))
 }
 
+/// The Q4_1 rows of matrix `n` as stored (a U8 tensor of whole 20-byte blocks per row), their
+/// scales and offsets checked finite.
+fn q4_rows(n: &str, q: &Tensor) -> std::result::Result<crate::cpu::quant::QuantRows, String> {
+    let (rows, width) = q.dims2().map_err(|e| format!("{n}: {e}"))?;
+    if q.dtype() != DType::U8 || width == 0 || width % 20 != 0 {
+        return Err(format!("{n}: 4-bit rows must be U8 in whole 20-byte blocks, not {:?} {:?}", q.dtype(), q.dims()));
+    }
+    let bytes: Vec<u8> = q.flatten_all().and_then(|t| t.to_vec1()).map_err(|e| format!("{n}: {e}"))?;
+    for (b, block) in bytes.chunks_exact(20).enumerate() {
+        let [d, m] = [0, 2].map(|o| half::f16::from_le_bytes([block[o], block[o + 1]]));
+        if !d.is_finite() || !m.is_finite() {
+            return Err(format!("{n}: block {b} of the 4-bit rows has a non-finite scale or offset"));
+        }
+    }
+    crate::cpu::quant::QuantRows::new(crate::cpu::quant::QuantKind::Q4_1, rows, width / 20 * Q8_BLOCK, bytes).map_err(|e| format!("{n}: {e}"))
+}
+
 /// Turn stored Q8 pairs and Q4_1 rows back into f32 tensors under their own names; other
 /// tensors pass through.
 fn dequantize_stored(mut ts: HashMap<String, Tensor>) -> std::result::Result<HashMap<String, Tensor>, String> {
     let names: Vec<String> = ts.keys().filter_map(|k| k.strip_suffix(Q4_SUFFIX).map(str::to_string)).collect();
     for n in names {
         let q = ts.remove(&format!("{n}{Q4_SUFFIX}")).expect("listed above");
-        let (rows, width) = q.dims2().map_err(|e| format!("{n}: {e}"))?;
-        if q.dtype() != DType::U8 || width == 0 || width % 20 != 0 {
-            return Err(format!("{n}: 4-bit rows must be U8 in whole 20-byte blocks, not {:?} {:?}", q.dtype(), q.dims()));
-        }
-        let bytes: Vec<u8> = q.flatten_all().and_then(|t| t.to_vec1()).map_err(|e| format!("{n}: {e}"))?;
-        let cols = width / 20 * Q8_BLOCK;
-        let rows_q = crate::cpu::quant::QuantRows::new(crate::cpu::quant::QuantKind::Q4_1, rows, cols, bytes).map_err(|e| format!("{n}: {e}"))?;
+        let rows_q = q4_rows(&n, &q)?;
+        let (rows, cols) = (rows_q.n, rows_q.k);
         let w = Tensor::from_vec(rows_q.dequantize(), (rows, cols), &Device::Cpu).map_err(|e| format!("{n}: {e}"))?;
         if ts.insert(n.clone(), w).is_some() {
             return Err(format!("{n}: stored both as 4-bit rows and as a plain tensor"));
@@ -118,6 +130,92 @@ fn dequantize_stored(mut ts: HashMap<String, Tensor>) -> std::result::Result<Has
         ts.insert(n, w);
     }
     Ok(ts)
+}
+
+/// `dir`'s `draft.json`, checked against `target`: trained for it, and a layer of its width.
+fn read_config(dir: &Path, target: &Target) -> Result<DraftLayerConfig> {
+    let cfg_path = dir.join(LAYER_CONFIG_FILE);
+    let s = crate::files::read_config(&cfg_path)?;
+    let cfg: DraftLayerConfig = serde_json::from_str(&s).map_err(|e| Error::bad_file(&cfg_path, format!("invalid draft layer config: {e}")))?;
+    let fp = target.fingerprint()?;
+    if cfg.target != fp {
+        return Err(Error::HeadsMismatch { heads: dir.to_path_buf(), heads_target: cfg.target.to_string(), model_target: fp.to_string() });
+    }
+    cfg.layer.validate().map_err(|e| Error::bad_file(&cfg_path, e))?;
+    let mc = target.model.config();
+    if cfg.layer.hidden_size != mc.hidden_size || cfg.layer.vocab_size > mc.vocab_size || cfg.layer.num_layers != 1 || cfg.layer.intermediate_size > 64 * mc.hidden_size {
+        return Err(Error::bad_file(
+            &cfg_path,
+            format!("a {}-layer draft of hidden {}, FFN {} and draft vocabulary {} does not fit the model's hidden {} and vocabulary {}", cfg.layer.num_layers, cfg.layer.hidden_size, cfg.layer.intermediate_size, cfg.layer.vocab_size, mc.hidden_size, mc.vocab_size),
+        ));
+    }
+    if let DraftArch::Eagle3 { layers } = &cfg.arch {
+        check_feature_layers(layers, mc.num_layers).map_err(|e| Error::bad_file(&cfg_path, e))?;
+        if !cfg.layer.eagle3_input {
+            return Err(Error::bad_file(&cfg_path, "an EAGLE-3 layer configured without EAGLE-3's input"));
+        }
+    } else if cfg.layer.eagle3_input {
+        return Err(Error::bad_file(&cfg_path, "an EAGLE layer configured with EAGLE-3's input"));
+    }
+    Ok(cfg)
+}
+
+/// Check that a layer of `cfg` with these tensors (`dims` of each by name) and draft
+/// vocabulary `ids` fits `target`, and run it at the target's context.
+fn check_fit(cfg: &mut DraftLayerConfig, ids: &[u32], dims: &dyn Fn(&str) -> Option<Vec<usize>>, target: &Llama) -> Result<()> {
+    let tcfg = target.config();
+    // The layer runs at the target's positions, so its context is the target's: a shorter one
+    // recorded in a file (an EAGLE-3 checkpoint's training length, or a bad value) used to
+    // end a generation with an error once the text grew past it.
+    cfg.layer.max_position = tcfg.max_position;
+    if cfg.layer.hidden_size != tcfg.hidden_size || ids.len() != cfg.layer.vocab_size {
+        return Err(Error::InvalidArgument(format!(
+            "draft layer of width {} over {} tokens does not fit a target of width {} ({} ids given)",
+            cfg.layer.hidden_size,
+            cfg.layer.vocab_size,
+            tcfg.hidden_size,
+            ids.len()
+        )));
+    }
+    if let Some(&bad) = ids.iter().find(|&&i| i as usize >= tcfg.vocab_size) {
+        return Err(Error::InvalidArgument(format!("draft vocabulary holds token {bad}, beyond the target's {}", tcfg.vocab_size)));
+    }
+    for (name, shape) in tensor_names(cfg) {
+        match dims(&name) {
+            Some(d) if d == shape => {}
+            Some(d) => return Err(Error::InvalidArgument(format!("{name} has shape {d:?}, expected {shape:?}"))),
+            None => return Err(Error::InvalidArgument(format!("missing tensor {name}"))),
+        }
+    }
+    Ok(())
+}
+
+/// A stored layer for [`Llama::build`] in 4-bit blocks: matrices come as their stored Q4_1
+/// rows, everything else (norms; the tied embedding table, which is the readout's rows) in f32.
+struct StoredLayer<'a> {
+    f32s: &'a HashMap<String, Tensor>,
+    blocks: &'a HashMap<String, crate::cpu::quant::QuantRows>,
+}
+
+impl crate::model::WeightSource for StoredLayer<'_> {
+    fn tensor(&self, name: &str, shape: &[usize], device: &Device) -> Result<Tensor> {
+        let t = match (self.f32s.get(name), self.blocks.get(name)) {
+            (Some(t), _) => t.to_dtype(DType::F32)?,
+            (None, Some(q)) => Tensor::from_vec(q.dequantize(), (q.n, q.k), &Device::Cpu)?,
+            (None, None) => return Err(Error::InvalidArgument(format!("missing tensor {name}"))),
+        };
+        if t.dims() != shape {
+            return Err(Error::InvalidArgument(format!("{name} has shape {:?}, expected {shape:?}", t.dims())));
+        }
+        Ok(t.to_device(device)?)
+    }
+
+    fn staged(&self, name: &str, shape: (usize, usize), format: WeightFormat) -> Result<crate::cpu::quant::Staged> {
+        match self.blocks.get(name) {
+            Some(q) if format == WeightFormat::Native && (q.n, q.k) == shape => Ok(crate::cpu::quant::Staged::Blocks(q.clone())),
+            _ => Err(Error::InvalidArgument(format!("{name}: no 4-bit rows of shape {shape:?} stored"))),
+        }
+    }
 }
 
 /// Which draft layer: what it reads from the target and what it feeds itself.
@@ -268,30 +366,7 @@ pub struct DraftLayer {
 impl DraftLayer {
     /// Build from trained tensors (names of [`tensor_names`]) and the draft vocabulary's ids.
     pub fn from_tensors(tensors: HashMap<String, Tensor>, ids: Vec<u32>, mut cfg: DraftLayerConfig, target: &Llama) -> Result<Self> {
-        let tcfg = target.config();
-        // The layer runs at the target's positions, so its context is the target's: a shorter one
-        // recorded in a file (an EAGLE-3 checkpoint's training length, or a bad value) used to
-        // end a generation with an error once the text grew past it.
-        cfg.layer.max_position = tcfg.max_position;
-        if cfg.layer.hidden_size != tcfg.hidden_size || ids.len() != cfg.layer.vocab_size {
-            return Err(Error::InvalidArgument(format!(
-                "draft layer of width {} over {} tokens does not fit a target of width {} ({} ids given)",
-                cfg.layer.hidden_size,
-                cfg.layer.vocab_size,
-                tcfg.hidden_size,
-                ids.len()
-            )));
-        }
-        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= tcfg.vocab_size) {
-            return Err(Error::InvalidArgument(format!("draft vocabulary holds token {bad}, beyond the target's {}", tcfg.vocab_size)));
-        }
-        for (name, shape) in tensor_names(&cfg) {
-            match tensors.get(&name) {
-                Some(t) if t.dims() == shape.as_slice() => {}
-                Some(t) => return Err(Error::InvalidArgument(format!("{name} has shape {:?}, expected {shape:?}", t.dims()))),
-                None => return Err(Error::InvalidArgument(format!("missing tensor {name}"))),
-            }
-        }
+        check_fit(&mut cfg, &ids, &|n: &str| tensors.get(n).map(|t| t.dims().to_vec()), target)?;
         let device = target.device().clone();
         let mut map: HashMap<String, Tensor> = HashMap::new();
         for (k, v) in &tensors {
@@ -314,30 +389,8 @@ impl DraftLayer {
     /// Load `draft.json` + `draft.safetensors` from `dir` for `target`, refusing a layer
     /// trained for another model.
     pub fn from_dir(dir: &Path, target: &Target) -> Result<Self> {
-        let cfg_path = dir.join(LAYER_CONFIG_FILE);
+        let cfg = read_config(dir, target)?;
         let w_path = dir.join(LAYER_WEIGHTS_FILE);
-        let s = crate::files::read_config(&cfg_path)?;
-        let cfg: DraftLayerConfig = serde_json::from_str(&s).map_err(|e| Error::bad_file(&cfg_path, format!("invalid draft layer config: {e}")))?;
-        let fp = target.fingerprint()?;
-        if cfg.target != fp {
-            return Err(Error::HeadsMismatch { heads: dir.to_path_buf(), heads_target: cfg.target.to_string(), model_target: fp.to_string() });
-        }
-        cfg.layer.validate().map_err(|e| Error::bad_file(&cfg_path, e))?;
-        let mc = target.model.config();
-        if cfg.layer.hidden_size != mc.hidden_size || cfg.layer.vocab_size > mc.vocab_size || cfg.layer.num_layers != 1 || cfg.layer.intermediate_size > 64 * mc.hidden_size {
-            return Err(Error::bad_file(
-                &cfg_path,
-                format!("a {}-layer draft of hidden {}, FFN {} and draft vocabulary {} does not fit the model's hidden {} and vocabulary {}", cfg.layer.num_layers, cfg.layer.hidden_size, cfg.layer.intermediate_size, cfg.layer.vocab_size, mc.hidden_size, mc.vocab_size),
-            ));
-        }
-        if let DraftArch::Eagle3 { layers } = &cfg.arch {
-            check_feature_layers(layers, mc.num_layers).map_err(|e| Error::bad_file(&cfg_path, e))?;
-            if !cfg.layer.eagle3_input {
-                return Err(Error::bad_file(&cfg_path, "an EAGLE-3 layer configured without EAGLE-3's input"));
-            }
-        } else if cfg.layer.eagle3_input {
-            return Err(Error::bad_file(&cfg_path, "an EAGLE layer configured with EAGLE-3's input"));
-        }
         let ts = candle_core::safetensors::load(&w_path, &Device::Cpu).map_err(|e| Error::bad_file(&w_path, format!("not a readable safetensors file: {e}")))?;
         let mut ts = dequantize_stored(ts).map_err(|e| Error::bad_file(&w_path, e))?;
         crate::files::check_finite(&ts, &w_path)?;
@@ -346,6 +399,62 @@ impl DraftLayer {
         let mut layer = Self::from_tensors(ts, ids, cfg, &target.model).map_err(|e| Error::bad_file(&w_path, e.to_string()))?;
         crate::cpu::quant::with_block_fallback(target.model.weight_format(), |f| layer.set_format(f))?;
         Ok(layer)
+    }
+
+    /// Load `dir` only to draft, in 4-bit blocks on the CPU (`native`, the default drafting
+    /// format), without an f32 detour: the stored 4-bit rows are the kernels' blocks as they
+    /// are (the blocks the f32 path would make again: re-quantizing a Q4_1 block gives the same
+    /// block). Why: the f32 path made the trained weights in f32, a packed f32 copy of them and
+    /// the blocks twice over, 140 MB of fresh memory for SmolLM2's 6 MB EAGLE-3 file, and on
+    /// this VM the kernel's zeroing of fresh pages took most of a start-up's 0.3 s. The layer
+    /// keeps only what it drafts with, as after [`DraftLayer::release_f32_weights`]. None where
+    /// this does not apply (another format or device, a file without 4-bit rows of every
+    /// matrix): [`DraftLayer::from_dir`] loads those.
+    pub fn from_dir_packed(dir: &Path, target: &Target, format: WeightFormat) -> Result<Option<Self>> {
+        if format != WeightFormat::Native || !target.model.device().is_cpu() {
+            return Ok(None);
+        }
+        let mut cfg = read_config(dir, target)?;
+        let w_path = dir.join(LAYER_WEIGHTS_FILE);
+        let bad = |m: String| Error::bad_file(&w_path, m);
+        let mut ts = candle_core::safetensors::load(&w_path, &Device::Cpu).map_err(|e| bad(format!("not a readable safetensors file: {e}")))?;
+        let names = tensor_names(&cfg);
+        if names.iter().any(|(n, s)| s.len() == 2 && !ts.contains_key(&format!("{n}{Q4_SUFFIX}"))) {
+            return Ok(None);
+        }
+        let mut blocks = HashMap::new();
+        for (n, s) in &names {
+            if let Some(q) = ts.remove(&format!("{n}{Q4_SUFFIX}")) {
+                let rows = q4_rows(n, &q).map_err(bad)?;
+                if [rows.n, rows.k] != s[..] {
+                    return Err(bad(format!("{n} has shape {:?}, expected {s:?}", [rows.n, rows.k])));
+                }
+                blocks.insert(n.clone(), rows);
+            }
+        }
+        if let Some(k) = ts.keys().find(|k| k.ends_with(Q4_SUFFIX) || k.ends_with(Q8_SUFFIX)) {
+            return Err(bad(format!("{k}: a stored matrix this layer does not have, or stored twice")));
+        }
+        crate::files::check_finite(&ts, &w_path)?;
+        let ids = ts.remove("draft_vocab").ok_or_else(|| bad("no draft_vocab tensor".into()))?;
+        let ids: Vec<u32> = ids.to_dtype(DType::F32)?.to_vec1::<f32>()?.into_iter().map(|x| x as u32).collect();
+        let dims = |n: &str| blocks.get(n).map(|q: &crate::cpu::quant::QuantRows| vec![q.n, q.k]).or_else(|| ts.get(n).map(|t| t.dims().to_vec()));
+        check_fit(&mut cfg, &ids, &dims, &target.model).map_err(|e| bad(e.to_string()))?;
+        // The tied "embedding" (never read for tokens) and the readout: EAGLE-3's own lm_head,
+        // or an EAGLE layer's slice of the target's lm_head rows, put in blocks here.
+        let head = match blocks.get("lm_head.weight") {
+            Some(q) => q.clone(),
+            None => {
+                let rows = target.model.lm_head_rows(&ids)?;
+                let (n, k) = rows.dims2()?;
+                crate::cpu::quant::QuantRows::quantize_q4_1(&rows.flatten_all()?.to_vec1::<f32>()?, n, k)?
+            }
+        };
+        blocks.insert("model.embed_tokens.weight".into(), head);
+        let fc_bias = ts.get("fc.bias").cloned();
+        let fc = Linear::packed_only(crate::cpu::quant::Staged::Blocks(blocks["fc.weight"].clone()).pack()?, fc_bias);
+        let llama = Llama::build(&StoredLayer { f32s: &ts, blocks: &blocks }, &cfg.layer, WeightFormat::Native, &Device::Cpu).map_err(|e| bad(e.to_string()))?;
+        Ok(Some(DraftLayer { cfg, fc, llama, ids, tensors: HashMap::new(), released: true }))
     }
 
     /// Write `draft.safetensors` (weights stored as `store` says) and `draft.json` into `dir`,
