@@ -113,6 +113,7 @@ fn every_subcommand_refuses_bad_input_cleanly() {
         (args(&["generate", "--model", &missing, "--prompt", "x", "--prompt-file", &prompts]), &["--prompt", "cannot be used with"]),
         (args(&["generate", "--model", &missing, "--prompt", "x", "--system", "be brief"]), &["--chat"]),
         (args(&["generate", "--model", &missing, "--prompt", "x", "--stop", ""]), &["--stop", "empty"]),
+        (args(&["generate", "--model", &missing, "--prompt", "x", "--seed", "-2"]), &["--seed", "-1 (random)"]),
         (args(&["generate", "--model", &missing, "--prompt", "x", "--drafter", "none"]), &["--drafter", "none", "no such directory"]),
         (args(&["generate", "--model", &missing, "--prompt", "x", "--drafter", &prompts]), &["--drafter", "not a drafter directory"]),
         (args(&["generate", "--model", &missing, "--prompt", "x", "--datastore", &prompts]), &["--drafter"]),

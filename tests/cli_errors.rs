@@ -283,6 +283,12 @@ fn generate_reads_prompt_files_and_stops_quietly_when_stdout_closes() {
     let (_, without, err_without) = run(&["generate", "--model", m, "--chat", "--prompt", "the cat sat", "--max-tokens", "6"]);
     let prompt_tokens = |e: &str| e.split("prompt ").nth(1).and_then(|r| r.split(' ').next()).and_then(|n| n.parse::<usize>().ok()).unwrap();
     assert!(prompt_tokens(&err) > prompt_tokens(&err_without), "{err} / {err_without}: {with_system:?} {without:?}");
+    // --seed -1 draws a seed and prints it; given back, that seed repeats the sampled answer.
+    let (code, drawn, err) = run(&["generate", "--model", m, "--prompt", "the cat sat", "--max-tokens", "8", "--temperature", "1", "--seed", "-1"]);
+    assert_eq!(code, 0, "{err}");
+    let seed = err.split("sampling with --seed ").nth(1).and_then(|r| r.split_whitespace().next()).expect("the seed is printed").to_string();
+    let (code, again, err) = run(&["generate", "--model", m, "--prompt", "the cat sat", "--max-tokens", "8", "--temperature", "1", "--seed", &seed]);
+    assert_eq!((code, &again), (0, &drawn), "{err}");
     // More than fits: said, not silently cut.
     let (code, _, err) = run(&["generate", "--model", m, "--prompt", "the cat sat", "--max-tokens", "100000"]);
     assert!(code == 0 && err.contains("more than fits"), "{err}");

@@ -91,9 +91,23 @@ pub struct SamplingArgs {
     /// OpenAI's: subtracted per occurrence, in [-2, 2].
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub frequency_penalty: f32,
-    /// Seed of the sampler (with eval and distill: of the first prompt; prompt i uses seed + i).
-    #[arg(long, default_value_t = DEFAULT_SEED)]
+    /// Seed of the sampler (with eval and distill: of the first prompt; prompt i uses seed + i);
+    /// -1 or `random` draws one (llama.cpp's -1), which `generate` prints so a run can be repeated.
+    #[arg(long, default_value_t = DEFAULT_SEED, value_parser = parse_seed, allow_negative_numbers = true)]
     pub seed: u64,
+}
+
+/// `--seed`: a number, or -1 / `random` for a seed drawn from the OS's hash keys and the clock.
+fn parse_seed(s: &str) -> std::result::Result<u64, String> {
+    match s {
+        "-1" | "random" => {
+            use std::hash::{BuildHasher, Hasher};
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0));
+            Ok(h.finish())
+        }
+        _ => s.parse::<u64>().map_err(|_| format!("{s:?} is not a seed: a whole number from 0 to {}, or -1 (random)", u64::MAX)),
+    }
 }
 
 impl SamplingArgs {

@@ -152,6 +152,9 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         Ok(flow)
     };
     let mut r = rng(a.sampling.seed);
+    if !params.is_greedy() {
+        eprintln!("sampling with --seed {}", a.sampling.seed);
+    }
     let Some(drafter) = drafter else {
         let result = generate_plain(&target.model, &ids, &params, &stop, &mut r, &mut print);
         let Some((out, stats)) = ended(result, closed, &mut text)? else { return Ok(()) };
