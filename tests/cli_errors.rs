@@ -185,7 +185,7 @@ fn bad_heads_and_trees() {
     let want = format!("{}\n", &full[..full.find(stop_text).unwrap()]);
     let (code, out, err) = run(&["generate", "--model", m, "--prompt", "the cat", "--max-tokens", "16", "--ignore-eos", "--stop", stop_text]);
     assert_eq!((code, &out), (0, &want), "{err}");
-    assert!(err.contains("stopped at a --stop text"), "{err}");
+    assert!(err.contains("stopped at a --stop text") && !err.contains(", 16 new tokens"), "decoding ended there: {err}");
     let (code, out, err) = run(&["generate", "--model", m, "--prompt", "the cat", "--max-tokens", "16", "--ignore-eos", "--stop", "never appears", "--stop", stop_text, "--drafter", hs, "--tree", "chain:2", "--compare"]);
     assert_eq!((code, &out), (0, &want), "{err}");
     assert!(err.contains("stopped at a --stop text") && err.contains("outputs identical"), "{err}");
@@ -246,6 +246,17 @@ fn draft_layer_through_the_cli() {
     let (code, _, err) = run(&["generate", "--model", m, "--prompt", "the cat", "--drafter", q8.to_str().unwrap(), "--tree", "chain:2", "--max-tokens", "8", "--compare"]);
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("outputs identical"), "{err}");
+    // 4-bit storage is read straight into the drafting blocks: the same drafts (so the same
+    // number of target forwards) as the f32 file re-packed into them.
+    let q4 = dir.join("layer-q4");
+    let (code, _, err) = run(&["export", "--model", m, "--drafter", os, "--out", q4.to_str().unwrap(), "--format", "q4"]);
+    assert_eq!(code, 0, "{err}");
+    let forwards = |e: &str| e.split(" target forwards").next().and_then(|s| s.rsplit(' ').next()).and_then(|n| n.parse::<usize>().ok()).unwrap();
+    let (code, _, from_f32) = run(&["generate", "--model", m, "--prompt", "the cat", "--drafter", os, "--tree", "dynamic:6", "--max-tokens", "12", "--compare"]);
+    assert_eq!(code, 0, "{from_f32}");
+    let (code, _, from_q4) = run(&["generate", "--model", m, "--prompt", "the cat", "--drafter", q4.to_str().unwrap(), "--tree", "dynamic:6", "--max-tokens", "12", "--compare"]);
+    assert_eq!(code, 0, "{from_q4}");
+    assert!(from_q4.contains("outputs identical") && forwards(&from_q4) == forwards(&from_f32), "{from_f32}\n{from_q4}");
     expect_error(&["generate", "--model", m, "--prompt", "the", "--drafter", os, "--tree", "chain:9"], &["9 deep", "draft layer"]);
 }
 

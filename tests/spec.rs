@@ -379,7 +379,10 @@ fn a_four_bit_layer_loaded_straight_into_blocks_drafts_the_same() {
     let Drafter::Layer(full) = Drafter::from_dir_as(&root.join("smollm2-layer"), &t, WeightFormat::F32).unwrap() else { panic!("a draft layer") };
     full.save_as(&eagle_q4, StoreFormat::Q4).unwrap();
     let prompt = t.encode_prompt("Explain how a refrigerator keeps food cold, step by step.", true).unwrap();
-    for dir in [root.join("smollm2-eagle3"), eagle_q4.clone(), root.join("smollm2-layer")] {
+    use selfspec::draft::layer::DraftLayer;
+    for (dir, direct_path) in [(root.join("smollm2-eagle3"), true), (eagle_q4.clone(), true), (root.join("smollm2-layer"), false)] {
+        assert_eq!(DraftLayer::from_dir_packed(&dir, &t, WeightFormat::Native).unwrap().is_some(), direct_path, "{}", dir.display());
+        assert!(DraftLayer::from_dir_packed(&dir, &t, WeightFormat::Q8_0).unwrap().is_none(), "8-bit drafting goes the f32 way");
         let (direct, _) = Drafter::for_drafting(&dir, &t, WeightFormat::Native).unwrap();
         let (mut via_f32, _) = Drafter::from_dir_noted(&dir, &t, WeightFormat::Native).unwrap();
         via_f32.release_f32_weights();

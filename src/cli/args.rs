@@ -35,23 +35,20 @@ pub struct ModelArgs {
 }
 
 impl ModelArgs {
-    /// Load the target in the format asked for, else in [`ModelArgs::default_weights`].
+    /// Load the target in the format asked for, else the file's own blocks on the CPU, as
+    /// llama.cpp runs a GGUF (an f32 copy of a 4-bit file is 7x the memory and decodes 7x
+    /// slower), and f32 on GPUs.
     pub fn load(&self) -> Result<Target> {
-        self.load_as(self.default_weights()?)
-    }
-
-    /// `--weights`, else the file's own blocks on the CPU, as llama.cpp runs a GGUF (an f32
-    /// copy of a 4-bit file is 7x the memory and decodes 7x slower), else f32 (GPUs).
-    pub fn default_weights(&self) -> Result<WeightFormat> {
-        Ok(match self.weights {
-            Some(w) => w,
-            None if parse_device(&self.device)?.is_cpu() => WeightFormat::Native,
-            None => WeightFormat::F32,
-        })
+        let device = parse_device(&self.device)?;
+        let weights = self.weights.unwrap_or(if device.is_cpu() { WeightFormat::Native } else { WeightFormat::F32 });
+        self.load_on(device, weights)
     }
 
     pub fn load_as(&self, weights: WeightFormat) -> Result<Target> {
-        let device = parse_device(&self.device)?;
+        self.load_on(parse_device(&self.device)?, weights)
+    }
+
+    fn load_on(&self, device: candle_core::Device, weights: WeightFormat) -> Result<Target> {
         if weights != WeightFormat::F32 && !device.is_cpu() {
             bail!("--weights {weights} is a CPU format; on {} the model runs candle's f32 kernels", self.device);
         }

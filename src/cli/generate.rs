@@ -41,7 +41,8 @@ pub struct GenerateArgs {
     #[arg(long)]
     ignore_eos: bool,
     /// End the answer where this text appears (repeat for several), as vLLM's `stop` and
-    /// llama-cli's `-r`; the text itself is not printed.
+    /// llama-cli's `-r`; the text itself is not printed. Special tokens (end of sequence, chat
+    /// markers) print no text, so they never match.
     #[arg(long, value_name = "TEXT")]
     stop: Vec<String>,
     #[command(flatten)]
@@ -158,7 +159,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     let Some(drafter) = drafter else {
         let result = generate_plain(&target.model, &ids, &params, &stop, &mut r, &mut print);
         let Some((out, stats)) = ended(result, closed, &mut text)? else { return Ok(()) };
-        eprintln!("{}; {}", plain_summary(&stats), stop_reason(&out, eos, budget, a.max_tokens, text.stop.hit));
+        eprintln!("{}; {}", plain_summary(&stats), stop_reason(&out, eos, budget, a.max_tokens, text.stopped));
         return Ok(());
     };
     let rule = Rule::for_params(&params, a.lossy_typical);
@@ -166,7 +167,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     let opts = SpecOptions { tree: plan.tree, lookup: plan.lookup, datastore: ds.as_ref(), rule, params: params.clone(), stop };
     let result = generate_spec(&target.model, &drafter, &ids, &opts, &mut r, &mut print);
     let Some((spec_out, stats)) = ended(result, closed, &mut text)? else { return Ok(()) };
-    eprintln!("{}; {}", spec_summary(&stats, a.lossy_typical), stop_reason(&spec_out, eos, budget, a.max_tokens, text.stop.hit));
+    eprintln!("{}; {}", spec_summary(&stats, a.lossy_typical), stop_reason(&spec_out, eos, budget, a.max_tokens, text.stopped));
     if a.compare {
         let stop = StopRule { max_new_tokens: a.max_tokens, eos_ids: eos };
         // The same stop texts end the plain run, unprinted, so the two outputs compare.
@@ -197,16 +198,19 @@ pub fn run(a: GenerateArgs) -> Result<()> {
 struct Answer<'a> {
     stream: TextStream<'a>,
     stop: StopMatch,
+    /// A stop text ended decoding (one found only in the text held back at the end did not).
+    stopped: bool,
 }
 
 impl<'a> Answer<'a> {
     fn new(tok: &'a selfspec::model::tokenizer::Tokenizer, stops: &[String]) -> Self {
-        Answer { stream: TextStream::new(tok), stop: StopMatch::new(stops.to_vec()) }
+        Answer { stream: TextStream::new(tok), stop: StopMatch::new(stops.to_vec()), stopped: false }
     }
     /// Text to print now, and whether decoding goes on.
     fn push(&mut self, t: u32) -> selfspec::Result<(String, Flow)> {
         let piece = self.stream.push(t)?.unwrap_or_default();
         let (text, hit) = self.stop.push(&piece, false);
+        self.stopped |= hit;
         Ok((text, if hit { Flow::Stop } else { Flow::Continue }))
     }
     /// What is left to print once decoding has ended.

@@ -39,7 +39,7 @@ impl GenStats {
 }
 
 /// What a token callback tells the decoding loop after seeing a token: go on, or end the run
-/// here (a stop string appeared, the reader left), keeping the tokens so far and the run's
+/// here (a stop text appeared, enough was seen), keeping the tokens so far and the run's
 /// statistics, which an error would lose.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Flow {

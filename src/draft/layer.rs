@@ -161,8 +161,8 @@ fn read_config(dir: &Path, target: &Target) -> Result<DraftLayerConfig> {
 }
 
 /// Check that a layer of `cfg` with these tensors (`dims` of each by name) and draft
-/// vocabulary `ids` fits `target`, and run it at the target's context.
-fn check_fit(cfg: &mut DraftLayerConfig, ids: &[u32], dims: &dyn Fn(&str) -> Option<Vec<usize>>, target: &Llama) -> Result<()> {
+/// vocabulary `ids` fits `target`, and set it to run at the target's context.
+fn fit_to_target(cfg: &mut DraftLayerConfig, ids: &[u32], dims: &dyn Fn(&str) -> Option<Vec<usize>>, target: &Llama) -> Result<()> {
     let tcfg = target.config();
     // The layer runs at the target's positions, so its context is the target's: a shorter one
     // recorded in a file (an EAGLE-3 checkpoint's training length, or a bad value) used to
@@ -366,7 +366,7 @@ pub struct DraftLayer {
 impl DraftLayer {
     /// Build from trained tensors (names of [`tensor_names`]) and the draft vocabulary's ids.
     pub fn from_tensors(tensors: HashMap<String, Tensor>, ids: Vec<u32>, mut cfg: DraftLayerConfig, target: &Llama) -> Result<Self> {
-        check_fit(&mut cfg, &ids, &|n: &str| tensors.get(n).map(|t| t.dims().to_vec()), target)?;
+        fit_to_target(&mut cfg, &ids, &|n: &str| tensors.get(n).map(|t| t.dims().to_vec()), target)?;
         let device = target.device().clone();
         let mut map: HashMap<String, Tensor> = HashMap::new();
         for (k, v) in &tensors {
@@ -405,41 +405,59 @@ impl DraftLayer {
     /// format), without an f32 detour: the stored 4-bit rows are the kernels' blocks as they
     /// are (the blocks the f32 path would make again: re-quantizing a Q4_1 block gives the same
     /// block). Why: the f32 path made the trained weights in f32, a packed f32 copy of them and
-    /// the blocks twice over, 140 MB of fresh memory for SmolLM2's 6 MB EAGLE-3 file, and on
-    /// this VM the kernel's zeroing of fresh pages took most of a start-up's 0.3 s. The layer
-    /// keeps only what it drafts with, as after [`DraftLayer::release_f32_weights`]. None where
-    /// this does not apply (another format or device, a file without 4-bit rows of every
-    /// matrix): [`DraftLayer::from_dir`] loads those.
+    /// the blocks twice over, for a 6 MB file. What stays in f32 is what the f32 path kept
+    /// too: norms, and the readout's rows as the tied embedding table (draft vocabulary ×
+    /// hidden: 19 MB for SmolLM2's EAGLE-3 layer). The layer keeps only what it drafts with, as
+    /// after [`DraftLayer::release_f32_weights`]. None where this does not apply (another format
+    /// or device; a file that is not exactly this layer's tensors, every matrix in 4-bit rows):
+    /// [`DraftLayer::from_dir`] loads those.
     pub fn from_dir_packed(dir: &Path, target: &Target, format: WeightFormat) -> Result<Option<Self>> {
         if format != WeightFormat::Native || !target.model.device().is_cpu() {
             return Ok(None);
         }
-        let mut cfg = read_config(dir, target)?;
+        // Only a file of exactly this layer's tensors, every matrix in 4-bit rows, takes this
+        // path; anything else (8-bit or f32 files, extra or doubled tensors) goes the f32 way,
+        // which reads or refuses it as before. Decided from the config and the file's header,
+        // before the costlier checks (the target's fingerprint), which each path makes once.
+        let cfg_path = dir.join(LAYER_CONFIG_FILE);
+        let Ok(peek) = serde_json::from_str::<DraftLayerConfig>(&crate::files::read_config(&cfg_path)?) else { return Ok(None) };
         let w_path = dir.join(LAYER_WEIGHTS_FILE);
         let bad = |m: String| Error::bad_file(&w_path, m);
-        let mut ts = candle_core::safetensors::load(&w_path, &Device::Cpu).map_err(|e| bad(format!("not a readable safetensors file: {e}")))?;
-        let names = tensor_names(&cfg);
-        if names.iter().any(|(n, s)| s.len() == 2 && !ts.contains_key(&format!("{n}{Q4_SUFFIX}"))) {
+        let bytes = std::fs::read(&w_path).map_err(|e| Error::io(&w_path, e))?;
+        let Ok(file) = candle_core::safetensors::SliceSafetensors::new(&bytes) else { return Ok(None) };
+        let stored: std::collections::BTreeSet<String> = file.tensors().into_iter().map(|(n, _)| n).collect();
+        let names = tensor_names(&peek);
+        let wanted: std::collections::BTreeSet<String> =
+            names.iter().map(|(n, s)| if s.len() == 2 { format!("{n}{Q4_SUFFIX}") } else { n.clone() }).chain(["draft_vocab".to_string()]).collect();
+        if stored != wanted {
             return Ok(None);
         }
+        let mut cfg = read_config(dir, target)?;
+        if cfg != peek {
+            return Err(Error::bad_file(&cfg_path, "changed while it was read"));
+        }
+        let mut ts = HashMap::new();
         let mut blocks = HashMap::new();
         for (n, s) in &names {
-            if let Some(q) = ts.remove(&format!("{n}{Q4_SUFFIX}")) {
+            if s.len() == 2 {
+                let q = file.load(&format!("{n}{Q4_SUFFIX}"), &Device::Cpu).map_err(|e| bad(format!("{n}: {e}")))?;
                 let rows = q4_rows(n, &q).map_err(bad)?;
                 if [rows.n, rows.k] != s[..] {
                     return Err(bad(format!("{n} has shape {:?}, expected {s:?}", [rows.n, rows.k])));
                 }
                 blocks.insert(n.clone(), rows);
+            } else {
+                // Norms and biases in f32, whatever the file stored them in.
+                ts.insert(n.clone(), file.load(n, &Device::Cpu).and_then(|t| t.to_dtype(DType::F32)).map_err(|e| bad(format!("{n}: {e}")))?);
             }
         }
-        if let Some(k) = ts.keys().find(|k| k.ends_with(Q4_SUFFIX) || k.ends_with(Q8_SUFFIX)) {
-            return Err(bad(format!("{k}: a stored matrix this layer does not have, or stored twice")));
-        }
+        ts.insert("draft_vocab".into(), file.load("draft_vocab", &Device::Cpu).map_err(|e| bad(format!("draft_vocab: {e}")))?);
+        drop(bytes);
         crate::files::check_finite(&ts, &w_path)?;
         let ids = ts.remove("draft_vocab").ok_or_else(|| bad("no draft_vocab tensor".into()))?;
         let ids: Vec<u32> = ids.to_dtype(DType::F32)?.to_vec1::<f32>()?.into_iter().map(|x| x as u32).collect();
         let dims = |n: &str| blocks.get(n).map(|q: &crate::cpu::quant::QuantRows| vec![q.n, q.k]).or_else(|| ts.get(n).map(|t| t.dims().to_vec()));
-        check_fit(&mut cfg, &ids, &dims, &target.model).map_err(|e| bad(e.to_string()))?;
+        fit_to_target(&mut cfg, &ids, &dims, &target.model).map_err(|e| bad(e.to_string()))?;
         // The tied "embedding" (never read for tokens) and the readout: EAGLE-3's own lm_head,
         // or an EAGLE layer's slice of the target's lm_head rows, put in blocks here.
         let head = match blocks.get("lm_head.weight") {

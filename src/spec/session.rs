@@ -414,7 +414,8 @@ impl<'d> Sequence<'d> {
     /// The driver ran `work`'s rows through the target (`forward_ms` for the whole forward,
     /// over `rows` rows in all): `hidden` holds this sequence's rows' final hidden states and
     /// `logits` the logits of its [`Work::logit_rows`]. Verifies, emits (each new token passed
-    /// to `on_token` with whether it was drafted; a [`Flow::Stop`] ends the sequence after that token) and commits. Returns the tokens emitted.
+    /// to `on_token` with whether it was drafted; a [`Flow::Stop`] ends the sequence after that
+    /// token) and commits. Returns the tokens emitted.
     #[allow(clippy::too_many_arguments)]
     pub fn finish_work(&mut self, model: &Llama, work: Work, hidden: Tensor, logits: Option<Tensor>, rows: usize, forward_ms: f64, on_token: &mut dyn FnMut(u32, bool) -> Result<Flow>) -> Result<usize> {
         let before = self.out.len();
