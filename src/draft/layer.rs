@@ -191,7 +191,7 @@ fn fit_to_target(cfg: &mut DraftLayerConfig, ids: &[u32], dims: &dyn Fn(&str) ->
 }
 
 /// A stored layer for [`Llama::build`] in 4-bit blocks: matrices come as their stored Q4_1
-/// rows, everything else (norms; the tied embedding table, which is the readout's rows) in f32.
+/// rows, norms in f32; no token embedding table is built.
 struct StoredLayer<'a> {
     f32s: &'a HashMap<String, Tensor>,
     blocks: &'a HashMap<String, crate::cpu::quant::QuantRows>,
@@ -199,11 +199,7 @@ struct StoredLayer<'a> {
 
 impl crate::model::WeightSource for StoredLayer<'_> {
     fn tensor(&self, name: &str, shape: &[usize], device: &Device) -> Result<Tensor> {
-        let t = match (self.f32s.get(name), self.blocks.get(name)) {
-            (Some(t), _) => t.to_dtype(DType::F32)?,
-            (None, Some(q)) => Tensor::from_vec(q.dequantize(), (q.n, q.k), &Device::Cpu)?,
-            (None, None) => return Err(Error::InvalidArgument(format!("missing tensor {name}"))),
-        };
+        let t = self.f32s.get(name).ok_or_else(|| Error::InvalidArgument(format!("missing tensor {name} (matrices come as 4-bit rows only)")))?.to_dtype(DType::F32)?;
         if t.dims() != shape {
             return Err(Error::InvalidArgument(format!("{name} has shape {:?}, expected {shape:?}", t.dims())));
         }
@@ -215,6 +211,12 @@ impl crate::model::WeightSource for StoredLayer<'_> {
             Some(q) if format == WeightFormat::Native && (q.n, q.k) == shape => Ok(crate::cpu::quant::Staged::Blocks(q.clone())),
             _ => Err(Error::InvalidArgument(format!("{name}: no 4-bit rows of shape {shape:?} stored"))),
         }
+    }
+
+    /// The decoder's inputs come through `fc` and the target's embedding: its tied table is the
+    /// readout's, which drafting reads from the packed blocks alone.
+    fn embeds_tokens(&self) -> bool {
+        false
     }
 }
 
@@ -405,9 +407,9 @@ impl DraftLayer {
     /// format), without an f32 detour: the stored 4-bit rows are the kernels' blocks as they
     /// are (the blocks the f32 path would make again: re-quantizing a Q4_1 block gives the same
     /// block). Why: the f32 path made the trained weights in f32, a packed f32 copy of them and
-    /// the blocks twice over, for a 6 MB file. What stays in f32 is what the f32 path kept
-    /// too: norms, and the readout's rows as the tied embedding table (draft vocabulary ×
-    /// hidden: 19 MB for SmolLM2's EAGLE-3 layer). The layer keeps only what it drafts with, as
+    /// the blocks twice over, for a 6 MB file, and kept the readout's rows in f32 as a tied
+    /// embedding table nothing reads (19 MB for SmolLM2's EAGLE-3 layer). Only norms stay f32.
+    /// The layer keeps only what it drafts with, as
     /// after [`DraftLayer::release_f32_weights`]. None where this does not apply (another format
     /// or device; a file that is not exactly this layer's tensors, every matrix in 4-bit rows):
     /// [`DraftLayer::from_dir`] loads those.

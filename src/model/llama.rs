@@ -388,11 +388,13 @@ impl Fused {
 }
 
 /// The token embedding: an f32 table, or (for a GGUF loaded in a compact format) the file's own
-/// rows read in place, dequantised a few at a time. Both give the same values.
+/// rows read in place, dequantised a few at a time. Both give the same values. `Absent` for a
+/// model whose inputs never come from its own table (a draft layer's decoder, fed through `fc`).
 #[derive(Clone)]
 pub enum TokenEmbedding {
     F32(Embedding),
     Rows(RawRows),
+    Absent,
 }
 
 impl TokenEmbedding {
@@ -401,6 +403,7 @@ impl TokenEmbedding {
         match self {
             TokenEmbedding::F32(e) => Ok(e.forward(&Tensor::new(ids, device)?)?),
             TokenEmbedding::Rows(r) => r.gather(ids, device),
+            TokenEmbedding::Absent => Err(Error::InvalidArgument("this model was built without a token embedding (a draft layer's decoder takes its inputs through fc)".into())),
         }
     }
 }
@@ -422,6 +425,13 @@ pub trait WeightSource {
     }
     /// Done with `name`'s staged weight (it is packed): a memory-mapped source drops its pages.
     fn release(&self, _name: &str) {}
+    /// Whether the model looks tokens up in its own embedding table. A source that says no (a
+    /// draft layer read from its 4-bit rows) gets a model without that table, whose tied lm_head
+    /// then lives in its packed copy alone (no f32 rows: draft vocabulary × hidden × 4 bytes,
+    /// 19 MB for SmolLM2's EAGLE-3 layer, about 0.5 GB for a 32k-row layer on an 8B model).
+    fn embeds_tokens(&self) -> bool {
+        true
+    }
 }
 
 impl WeightSource for VarBuilder<'_> {
@@ -602,8 +612,10 @@ impl Llama {
         let embed_name = "model.embed_tokens.weight";
         let head_name = if cfg.tie_embeddings { embed_name } else { "lm_head.weight" };
         let in_place = if keep_f32 { None } else { src.rows(embed_name)? };
+        let no_table = !keep_f32 && !src.embeds_tokens();
         let (embed, embed_w) = match in_place {
             Some(rows) => (TokenEmbedding::Rows(rows), None),
+            None if no_table => (TokenEmbedding::Absent, None),
             None => {
                 let w = src.tensor(embed_name, &[cfg.vocab_size, d], device)?;
                 (TokenEmbedding::F32(Embedding::new(w.clone(), d)), Some(w))
@@ -614,6 +626,7 @@ impl Llama {
         // in place (a tied head then shares the embedding's table: no extra memory).
         let head_w = match (&embed_w, cfg.tie_embeddings) {
             (Some(w), true) => Some(w.clone()),
+            _ if no_table => None,
             _ if keep_f32 || lm_rows.is_none() => Some(src.tensor(head_name, &[cfg.vocab_size, d], device)?),
             _ => None,
         };
