@@ -137,6 +137,12 @@ fn read_config(dir: &Path, target: &Target) -> Result<DraftLayerConfig> {
     let cfg_path = dir.join(LAYER_CONFIG_FILE);
     let s = crate::files::read_config(&cfg_path)?;
     let cfg: DraftLayerConfig = serde_json::from_str(&s).map_err(|e| Error::bad_file(&cfg_path, format!("invalid draft layer config: {e}")))?;
+    check_config(cfg, dir, target)
+}
+
+/// [`read_config`]'s checks of a parsed `draft.json` against `target`.
+fn check_config(cfg: DraftLayerConfig, dir: &Path, target: &Target) -> Result<DraftLayerConfig> {
+    let cfg_path = dir.join(LAYER_CONFIG_FILE);
     let fp = target.fingerprint()?;
     if cfg.target != fp {
         return Err(Error::HeadsMismatch { heads: dir.to_path_buf(), heads_target: cfg.target.to_string(), model_target: fp.to_string() });
@@ -434,10 +440,7 @@ impl DraftLayer {
         if stored != wanted {
             return Ok(None);
         }
-        let mut cfg = read_config(dir, target)?;
-        if cfg != peek {
-            return Err(Error::bad_file(&cfg_path, "changed while it was read"));
-        }
+        let mut cfg = check_config(peek, dir, target)?;
         let mut ts = HashMap::new();
         let mut blocks = HashMap::new();
         for (n, s) in &names {
