@@ -5,6 +5,8 @@
 //! 4-bit blocks for a draft layer, 8-bit for heads).
 //! `DRAFTCOST_COLD=1` runs a 4-row target forward (and its logits) before each propose-and-commit
 //! pair, as a decoding step does, so the drafter's weights meet the caches a step leaves.
+//! `DRAFTCOST_TREES=chain:2,dynamic:8` picks the trees, `DRAFTCOST_REPS=2000` the rounds (21; more
+//! for `perf record`).
 use std::time::Instant;
 
 use selfspec::draft::drafter::Drafter;
@@ -30,7 +32,9 @@ fn main() -> anyhow::Result<()> {
         v.sort_by(|a, b| a.total_cmp(b));
         v[v.len() / 2]
     };
-    for spec in ["chain:1", "chain:2", "chain:3", "chain:5", "cpu", "dynamic:8", "dynamic:16", "dynamic:28"] {
+    let reps: usize = std::env::var("DRAFTCOST_REPS").map(|r| r.parse()).unwrap_or(Ok(21))?;
+    let specs = std::env::var("DRAFTCOST_TREES").unwrap_or_else(|_| "chain:1,chain:2,chain:3,chain:5,cpu,dynamic:8,dynamic:16,dynamic:28".into());
+    for spec in specs.split(',') {
         let choice = TreeChoice::parse(spec)?;
         let (mut p, mut c) = (Vec::new(), Vec::new());
         let cold = std::env::var("DRAFTCOST_COLD").is_ok_and(|v| v == "1");
@@ -39,7 +43,12 @@ fn main() -> anyhow::Result<()> {
             target.model.forward_causal(&prompt, &mut tcache)?;
         }
         let base = tcache.len();
-        for _ in 0..21 {
+        for rep in 0..reps.max(1) {
+            // Each commit grows the layer's cache by two slots: start over now and then, so that
+            // long runs keep measuring a short context.
+            if rep % 32 == 31 {
+                state = drafter.start(&target.model, &hidden, &prompt, 42)?;
+            }
             if cold {
                 tcache.truncate(base);
                 let toks = [42u32, 7, 9, 11];

@@ -53,7 +53,7 @@ pub mod train;
 
 pub use cpu::quant::WeightFormat;
 pub use decode::generate::{generate_plain, Flow, GenStats, StopMatch, StopRule, TextStream};
-pub use decode::sampling::{rng, SamplingParams};
+pub use decode::sampling::{rng, token_logprobs, SamplingParams, TokenLogprobs};
 pub use draft::drafter::Drafter;
 pub use error::{Error, Result};
 pub use model::loader::Target;

@@ -294,3 +294,101 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_going() {
     rt.shutdown_background();
     engine.join().unwrap();
 }
+
+/// A token's text, its log-probability and the alternatives', as the server should list them.
+type Expected = (String, f32, Vec<(String, f32)>);
+
+/// Log-probabilities in OpenAI's shapes (chat's `content` list, completions' parallel lists),
+/// streamed or whole: with the drafter and three requests in each forward they are exactly
+/// plain decoding's, alone, token for token.
+#[test]
+fn logprobs_come_back_as_plain_decoding_gives_them_in_each_endpoints_shape() {
+    use selfspec::spec::Sequence;
+    let (target, drafter) = load();
+    let prompts = prompts();
+    // Plain decoding's log-probabilities, alone, for the first three prompts (greedy, 24 tokens).
+    let mut want = Vec::new();
+    for p in &prompts[..3] {
+        let ids = target.prompt_ids(&[Message::new("user", p.clone())]).unwrap();
+        let params = SamplingParams::greedy();
+        let stop = StopRule { max_new_tokens: 24, eos_ids: &target.tokenizer.eos_ids };
+        let plan = Plan::parse("chain:1").unwrap();
+        let opts = SpecOptions { tree: plan.tree, lookup: None, datastore: None, rule: Rule::Greedy, params, stop };
+        let mut seq = Sequence::new(&target.model, None, &ids, opts, rng(0)).unwrap().with_logprobs(2);
+        while let Some(work) = seq.next_work(&target.model, usize::MAX, true).unwrap() {
+            let last = work.tokens().len() >= seq.prompt_left();
+            let hidden = target.model.forward(work.tokens(), work.positions(), work.mask(), seq.cache_mut()).unwrap();
+            let r = work.logit_rows(last);
+            let logits = (!r.is_empty()).then(|| target.model.logits(&hidden.narrow(0, r.start, r.len()).unwrap()).unwrap());
+            let n = work.tokens().len();
+            seq.finish_work(&target.model, work, hidden, logits, n, 1.0, &mut |_, _| Ok(Flow::Continue)).unwrap();
+        }
+        let lps: Vec<Expected> = seq
+            .logprobs()
+            .iter()
+            .map(|l| (target.tokenizer.token_bytes(l.token).unwrap().0, l.logprob, l.top.iter().map(|&(id, x)| (target.tokenizer.token_bytes(id).unwrap().0, x)).collect()))
+            .collect();
+        want.push(lps);
+    }
+    let (state, engine) = prepare(target, Some(drafter), None, &config(4, 8, None)).unwrap();
+    let app = http::router(state, 64 * 1024);
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    rt.block_on(async {
+        let chat = |p: &str| json!({"model": "smollm2", "messages": [{"role": "user", "content": p}], "temperature": 0, "max_tokens": 24, "logprobs": true, "top_logprobs": 2});
+        let mut tasks = Vec::new();
+        for p in &prompts[..3] {
+            let (app, body) = (app.clone(), chat(p));
+            tasks.push(tokio::spawn(async move { call(&app, "/v1/chat/completions", body, None).await }));
+        }
+        let mut tau = 0.0;
+        for (k, t) in tasks.into_iter().enumerate() {
+            let (s, v, _) = t.await.unwrap();
+            assert_eq!(s, StatusCode::OK, "{v}");
+            let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+            assert_eq!(content.len(), want[k].len(), "{v}");
+            for (c, (tok, lp, top)) in content.iter().zip(&want[k]) {
+                assert_eq!((c["token"].as_str().unwrap(), c["logprob"].as_f64().unwrap() as f32), (tok.as_str(), *lp), "request {k}");
+                assert_eq!(c["bytes"].as_array().unwrap().len(), tok.len());
+                let got: Vec<(String, f32)> = c["top_logprobs"].as_array().unwrap().iter().map(|t| (t["token"].as_str().unwrap().to_string(), t["logprob"].as_f64().unwrap() as f32)).collect();
+                assert_eq!(&got, top);
+            }
+            tau += v["selfspec"]["tau"].as_f64().unwrap();
+        }
+        assert!(tau > 3.3, "the drafter hardly ran (τ summed over three requests {tau:.2})");
+        // Streamed, the chunks' entries add up to the whole answer's.
+        let mut body = chat(&prompts[0]);
+        body["stream"] = json!(true);
+        let resp = app.clone().oneshot(Request::post("/v1/chat/completions").header("content-type", "application/json").body(Body::from(body.to_string())).unwrap()).await.unwrap();
+        let raw = String::from_utf8(resp.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap();
+        let streamed: Vec<(String, f32)> = raw
+            .split("\n\n")
+            .filter_map(|e| e.strip_prefix("data: "))
+            .filter(|e| *e != "[DONE]")
+            .flat_map(|e| serde_json::from_str::<Value>(e).unwrap()["choices"][0]["logprobs"]["content"].as_array().cloned().unwrap_or_default())
+            .map(|c| (c["token"].as_str().unwrap().to_string(), c["logprob"].as_f64().unwrap() as f32))
+            .collect();
+        assert_eq!(streamed, want[0].iter().map(|w| (w.0.clone(), w.1)).collect::<Vec<_>>());
+        // Completions: tokens, their log-probabilities, maps of the alternatives with the chosen
+        // token, and where each token's text starts.
+        let (s, v, _) = call(&app, "/v1/completions", json!({"model": "smollm2", "prompt": "The capital of France is", "temperature": 0, "max_tokens": 8, "logprobs": 2}), None).await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        let (text, lp) = (v["choices"][0]["text"].as_str().unwrap(), &v["choices"][0]["logprobs"]);
+        let tokens: Vec<&str> = lp["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+        assert_eq!(tokens.concat(), text);
+        let offsets: Vec<usize> = lp["text_offset"].as_array().unwrap().iter().map(|o| o.as_u64().unwrap() as usize).collect();
+        let starts: Vec<usize> = tokens.iter().scan(0, |at, t| Some(std::mem::replace(at, *at + t.chars().count()))).collect();
+        assert_eq!(offsets, starts);
+        for (i, m) in lp["top_logprobs"].as_array().unwrap().iter().enumerate() {
+            let m = m.as_object().unwrap();
+            assert!((2..=3).contains(&m.len()) && m[tokens[i]] == lp["token_logprobs"][i], "{m:?}");
+        }
+        // Without asking: null, as OpenAI answers.
+        let (_, v, _) = call(&app, "/v1/completions", json!({"model": "smollm2", "prompt": "Hi", "max_tokens": 2}), None).await;
+        assert!(v["choices"][0]["logprobs"].is_null(), "{v}");
+        let (s, v, _) = call(&app, "/v1/chat/completions", json!({"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 3}), None).await;
+        assert_eq!((s, v["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some("top_logprobs")), "{v}");
+    });
+    drop(app);
+    rt.shutdown_background();
+    engine.join().unwrap();
+}

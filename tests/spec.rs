@@ -555,3 +555,68 @@ fn every_family_speculates_exactly() {
         assert!(pb < 0.001, "{name}: the test failed to catch a broken rule: p = {pb}");
     }
 }
+
+/// Log-probabilities come from the rows verification read: with a drafter (static and `auto`
+/// trees, greedy and seeded sampling) they are bit for bit those of plain decoding, and they are
+/// the raw log-softmax of a causal forward over the same tokens (to rounding: that forward
+/// runs the rows in other chunks).
+#[test]
+fn logprobs_with_a_drafter_are_plain_decodings_bit_for_bit() {
+    use selfspec::decode::sampling::{token_logprobs, TokenLogprobs};
+    use selfspec::spec::Sequence;
+    let t = smollm2();
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/drafters/smollm2-eagle3");
+    let mut target = t;
+    let drafter = Drafter::from_dir(&dir, &target).unwrap();
+    drafter.attach(&mut target).unwrap();
+    let t = target;
+    let run = |drafter: Option<&Drafter>, tree: TreeChoice, params: &SamplingParams, ids: &[u32]| -> (Vec<u32>, Vec<TokenLogprobs>, usize) {
+        let stop = StopRule { max_new_tokens: 40, eos_ids: &t.tokenizer.eos_ids };
+        let opts = SpecOptions { tree, lookup: None, datastore: None, rule: Rule::for_params(params, false), params: params.clone(), stop };
+        let mut seq = Sequence::new(&t.model, drafter, ids, opts, rng(9)).unwrap().with_logprobs(3);
+        let mut forwards = 0;
+        while let Some(work) = seq.next_work(&t.model, usize::MAX, true).unwrap() {
+            let work = seq.cut(work).unwrap();
+            let last = work.tokens().len() >= seq.prompt_left();
+            let hidden = t.model.forward(work.tokens(), work.positions(), work.mask(), seq.cache_mut()).unwrap();
+            let r = work.logit_rows(last);
+            let logits = (!r.is_empty()).then(|| t.model.logits(&hidden.narrow(0, r.start, r.len()).unwrap()).unwrap());
+            let n = work.tokens().len();
+            seq.finish_work(&t.model, work, hidden, logits, n, 1.0, &mut |_, _| Ok(Flow::Continue)).unwrap();
+            forwards += 1;
+        }
+        let lps = seq.logprobs().to_vec();
+        let (out, _, _) = seq.finish();
+        assert_eq!(lps.len(), out.len());
+        (out, lps, forwards)
+    };
+    let sampled = SamplingParams { temperature: 0.9, top_p: 0.95, ..Default::default() };
+    let ids = t.encode_prompt("Name three rivers in Europe.", true).unwrap();
+    let mut saved = 0;
+    for params in [SamplingParams::greedy(), sampled] {
+        let (plain, plain_lps, plain_forwards) = run(None, TreeChoice::Static(Tree::chain(1)), &params, &ids);
+        for tree in [TreeChoice::Static(Tree::chain(3)), drafter.resolve(&TreeChoice::parse("auto").unwrap())] {
+            let (out, lps, forwards) = run(Some(&drafter), tree, &params, &ids);
+            assert_eq!(out, plain);
+            assert_eq!(lps, plain_lps, "log-probabilities differ with a drafter");
+            saved += plain_forwards - forwards;
+        }
+        for (lp, &tok) in plain_lps.iter().zip(&plain) {
+            assert_eq!(lp.token, tok);
+            assert!(lp.top.len() == 3 && lp.top.windows(2).all(|w| w[0].1 >= w[1].1));
+            if params.is_greedy() {
+                assert_eq!(lp.top[0], (tok, lp.logprob), "greedy picks the likeliest");
+            }
+        }
+        // One causal forward over prompt and answer: its rows' log-softmax, to rounding.
+        let all: Vec<u32> = ids.iter().chain(&plain[..plain.len() - 1]).copied().collect();
+        let mut cache = t.model.new_cache().unwrap();
+        let hidden = t.model.forward_causal(&all, &mut cache).unwrap();
+        let logits = t.model.logits(&hidden.narrow(0, ids.len() - 1, plain.len()).unwrap()).unwrap();
+        for (i, lp) in plain_lps.iter().enumerate() {
+            let want = token_logprobs(&row_to_vec(&logits, i).unwrap(), plain[i], 3);
+            assert!((want.logprob - lp.logprob).abs() < 0.02, "token {i}: {} vs {}", lp.logprob, want.logprob);
+        }
+    }
+    assert!(saved > 10, "the drafter saved only {saved} forwards: the test shows little");
+}

@@ -55,6 +55,28 @@ impl Tokenizer {
         self.inner.decode(ids, true).map_err(|e| Error::Tokenizer(e.to_string()))
     }
 
+    /// One token's own bytes, and its text (those bytes as UTF-8, U+FFFD where the token holds
+    /// only part of a character): what an API lists per token beside its log-probability. Read
+    /// from the vocabulary piece, not by decoding the token alone (which drops a SentencePiece
+    /// token's leading space and breaks a byte-level token's partial character): byte-level BPE
+    /// pieces through GPT-2's byte-to-character table, SentencePiece ones with `▁` as a space
+    /// and byte-fallback pieces (`<0xE2>`) as their byte. Special tokens give their marker.
+    pub fn token_bytes(&self, id: u32) -> Result<(String, Vec<u8>)> {
+        let Some(piece) = self.inner.id_to_token(id) else {
+            return Err(Error::InvalidArgument(format!("token id {id} is outside the vocabulary ({} tokens)", self.vocab_size())));
+        };
+        let byte_level = matches!(self.inner.get_decoder(), Some(tokenizers::DecoderWrapper::ByteLevel(_)));
+        let byte = piece.strip_prefix("<0x").and_then(|h| h.strip_suffix('>')).filter(|h| h.len() == 2).and_then(|h| u8::from_str_radix(h, 16).ok());
+        let bytes = match (byte_level, byte) {
+            // Added tokens of a byte-level vocabulary are stored as text: one outside the
+            // table is its own UTF-8.
+            (true, _) => piece.chars().map(byte_of_char).collect::<Option<Vec<u8>>>().unwrap_or_else(|| piece.into_bytes()),
+            (false, Some(b)) => vec![b],
+            (false, None) => piece.replace('\u{2581}', " ").into_bytes(),
+        };
+        Ok((String::from_utf8_lossy(&bytes).into_owned(), bytes))
+    }
+
     /// The ids of the special added tokens (chat-template markers, end of text): text never
     /// contains them, so decoding drops them.
     pub fn special_ids(&self) -> std::collections::HashSet<u32> {
@@ -282,6 +304,18 @@ fn add_chat_stops(inner: &tokenizers::Tokenizer, eos: &mut Vec<u32>) {
     }
 }
 
+/// The byte GPT-2's byte-level BPE writes as `c`: printable Latin-1 bytes stand for
+/// themselves, the other 68 bytes (controls, space, 0x7F-0xA0, 0xAD) for U+0100 onwards in
+/// byte order. `None` for any other character.
+fn byte_of_char(c: char) -> Option<u8> {
+    let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || b >= 0xAE;
+    let code = c as u32;
+    if code < 256 {
+        return printable(code as u8).then_some(code as u8);
+    }
+    (0..=255u8).filter(|&b| !printable(b)).nth((code - 256) as usize)
+}
+
 /// A Jinja chat template as shipped with the model.
 #[derive(Clone)]
 pub struct ChatTemplate {
@@ -346,6 +380,29 @@ impl ChatTemplate {
 mod tests {
     use super::*;
 
+    /// GPT-2's table, built forwards as its `bytes_to_unicode` does, is what `byte_of_char`
+    /// reads backwards: all 256 bytes, and nothing else.
+    #[test]
+    fn byte_level_characters_map_back_to_their_bytes() {
+        let mut printable: Vec<u32> = (b'!' as u32..=b'~' as u32).chain(0xA1..=0xAC).chain(0xAE..=0xFF).collect();
+        let mut chars = printable.clone();
+        let mut n = 0;
+        for b in 0..256u32 {
+            if !printable.contains(&b) {
+                printable.push(b);
+                chars.push(256 + n);
+                n += 1;
+            }
+        }
+        for (&b, &c) in printable.iter().zip(&chars) {
+            assert_eq!(byte_of_char(char::from_u32(c).unwrap()), Some(b as u8), "U+{c:04X}");
+        }
+        assert_eq!(byte_of_char('\u{0120}'), Some(b' '));
+        assert_eq!(byte_of_char('\u{010A}'), Some(b'\n'));
+        assert_eq!(byte_of_char('\u{0144}'), None);
+        assert_eq!(byte_of_char('\u{2581}'), None);
+    }
+
     #[test]
     fn llama_sentencepiece_from_gguf_metadata() {
         use candle_core::quantized::gguf_file::Value as V;
@@ -380,6 +437,12 @@ mod tests {
         // Characters outside the vocabulary fall back to bytes and decode back.
         let ids = t.encode("the \u{e9}", false).unwrap();
         assert_eq!(t.decode(&ids).unwrap(), "the \u{e9}");
+        // Per-token bytes: the piece's space kept, a byte-fallback piece as its byte.
+        let id = |p: &str| t.token_to_id(p).unwrap();
+        assert_eq!(t.token_bytes(id("\u{2581}cat")).unwrap(), (" cat".to_string(), b" cat".to_vec()));
+        assert_eq!(t.token_bytes(id("<0xC3>")).unwrap(), ("\u{FFFD}".to_string(), vec![0xC3]));
+        assert_eq!(t.token_bytes(2).unwrap().0, "</s>");
+        assert!(t.token_bytes(100_000).is_err());
         assert!(t.is_eos(2));
         // A piece past the bound is refused, naming the file, before the quadratic work.
         let mut long = md.clone();

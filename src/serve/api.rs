@@ -61,6 +61,11 @@ pub struct Request {
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
     pub n: Option<u64>,
+    /// Chat: true for each answer token's log-probability; completions: how many alternatives
+    /// to list per token (0 to 20).
+    pub logprobs: Option<Value>,
+    /// Chat: alternatives per token (0 to 20), with `logprobs: true`.
+    pub top_logprobs: Option<Value>,
     /// Accepted (OpenAI's end-user id: nothing to do with decoding).
     pub user: Option<String>,
     /// Everything else: refused by name unless it asks for nothing ([`asks_for_nothing`]).
@@ -124,9 +129,8 @@ pub fn asks_for_nothing(key: &str, v: &Value) -> bool {
         // Without tools there is nothing to call in parallel; metadata only tags stored output.
         "parallel_tool_calls" => v.is_boolean(),
         "metadata" => v.is_object(),
-        "logprobs" | "echo" | "store" => v == false,
+        "echo" | "store" => v == false,
         "best_of" => v == 1,
-        "top_logprobs" => v == 0,
         "response_format" => v.get("type").is_some_and(|t| t == "text") && v.as_object().is_some_and(|o| o.len() == 1),
         "service_tier" => v == "auto" || v == "default",
         "suffix" => v == "",
@@ -154,6 +158,8 @@ pub struct Decoding {
     pub include_usage: bool,
     /// The usage so far in every chunk (vLLM's `stream_options.continuous_usage_stats`).
     pub continuous_usage: bool,
+    /// Each answer token's log-probability with this many alternatives (`None`: not asked).
+    pub logprobs: Option<usize>,
 }
 
 /// Parse a JSON body into `T`, as a 400 naming what is wrong: the body when it is not JSON,
@@ -185,11 +191,13 @@ fn range_error(p: SamplingParams) -> Option<String> {
 impl Request {
     /// Check the fields against what the server does and turn them into decoding parameters.
     /// OpenAI's defaults: temperature 1, top_p 1; `model` must name the served model.
-    pub fn decoding(&self, served: &str) -> Result<Decoding, ApiError> {
+    /// `chat` says which endpoint: `logprobs` is a flag with `top_logprobs` beside it in chat,
+    /// a count in completions.
+    pub fn decoding(&self, served: &str, chat: bool) -> Result<Decoding, ApiError> {
         if let Some((k, _)) = self.other.iter().find(|(k, v)| !asks_for_nothing(k, v)) {
             let what = match k.as_str() {
                 "tools" | "tool_choice" | "functions" | "function_call" => "tool calling is not supported",
-                "logprobs" | "top_logprobs" | "echo" | "best_of" | "suffix" => "log-probabilities, echo, best_of and suffix are not supported",
+                "echo" | "best_of" | "suffix" => "echo, best_of and suffix are not supported",
                 "response_format" => "structured output (response_format other than text) is not supported",
                 "logit_bias" => "logit_bias is not supported",
                 "store" => "stored completions are not supported",
@@ -258,6 +266,7 @@ impl Request {
         if stop.len() > MAX_STOPS || stop.iter().any(|s| s.len() > MAX_STOP_LEN) {
             return Err(ApiError::invalid(Some("stop"), format!("at most {MAX_STOPS} stop strings of at most {MAX_STOP_LEN} bytes")));
         }
+        let logprobs = self.logprobs(chat)?;
         let stream = self.stream.unwrap_or(false);
         let opts = self.stream_options.as_ref();
         if let Some(o) = opts {
@@ -277,7 +286,42 @@ impl Request {
             stream,
             include_usage: opts.and_then(|o| o.include_usage).unwrap_or(false),
             continuous_usage: opts.and_then(|o| o.continuous_usage_stats).unwrap_or(false),
+            logprobs,
         })
+    }
+
+    /// The alternatives per token a request asks for with its log-probabilities, if it asks:
+    /// chat's `logprobs: true` with `top_logprobs` (0 to 20), completions' `logprobs` (0 to 20).
+    /// A default sent for nothing (`false`, `null`, `top_logprobs: 0`) asks for nothing.
+    fn logprobs(&self, chat: bool) -> Result<Option<usize>, ApiError> {
+        let max = crate::decode::sampling::MAX_TOP_LOGPROBS as u64;
+        let count = |name: &str, v: &Value| match v.as_u64() {
+            Some(n) if n <= max => Ok(n as usize),
+            _ => Err(ApiError::invalid(Some(name), format!("{name} must be an integer from 0 to {max}, got {v}"))),
+        };
+        let (lp, top) = (self.logprobs.as_ref().filter(|v| !v.is_null()), self.top_logprobs.as_ref().filter(|v| !v.is_null()));
+        if !chat {
+            if let Some(t) = top.filter(|&t| t != 0) {
+                return Err(ApiError::invalid(Some("top_logprobs"), format!("top_logprobs: {t} is chat's parameter; /v1/completions takes logprobs as the number of alternatives")));
+            }
+            return match lp {
+                None => Ok(None),
+                Some(v) if v == false => Ok(None),
+                Some(v) if v.is_boolean() => Err(ApiError::invalid(Some("logprobs"), "logprobs in /v1/completions is the number of alternatives per token (0 to 20), not a flag")),
+                Some(v) => count("logprobs", v).map(Some),
+            };
+        }
+        let on = match lp {
+            None => false,
+            Some(Value::Bool(b)) => *b,
+            Some(v) => return Err(ApiError::invalid(Some("logprobs"), format!("logprobs in /v1/chat/completions is true or false (top_logprobs gives the alternatives), got {v}"))),
+        };
+        let n = top.map(|t| count("top_logprobs", t)).transpose()?.unwrap_or(0);
+        match (on, n) {
+            (true, n) => Ok(Some(n)),
+            (false, 0) => Ok(None),
+            (false, _) => Err(ApiError::invalid(Some("top_logprobs"), "top_logprobs needs logprobs: true")),
+        }
     }
 
     /// The conversation as the chat template's messages (system, user and assistant turns), for
@@ -373,7 +417,43 @@ mod tests {
     use super::*;
 
     fn common(v: Value) -> Result<Decoding, ApiError> {
-        serde_json::from_value::<Request>(v).unwrap().decoding("m")
+        serde_json::from_value::<Request>(v).unwrap().decoding("m", true)
+    }
+
+    fn completion(v: Value) -> Result<Decoding, ApiError> {
+        serde_json::from_value::<Request>(v).unwrap().decoding("m", false)
+    }
+
+    /// Chat's flag and count, completions' count; defaults sent for nothing ask for nothing.
+    #[test]
+    fn logprobs_are_asked_for_as_each_endpoint_asks() {
+        use serde_json::json;
+        let lp = |v: Value| common(v).map(|d| d.logprobs);
+        assert_eq!(lp(json!({"model": "m"})), Ok(None));
+        assert_eq!(lp(json!({"model": "m", "logprobs": true})), Ok(Some(0)));
+        assert_eq!(lp(json!({"model": "m", "logprobs": true, "top_logprobs": 5})), Ok(Some(5)));
+        assert_eq!(lp(json!({"model": "m", "logprobs": false, "top_logprobs": 0})), Ok(None));
+        assert_eq!(lp(json!({"model": "m", "logprobs": null, "top_logprobs": null})), Ok(None));
+        let clp = |v: Value| completion(v).map(|d| d.logprobs);
+        assert_eq!(clp(json!({"model": "m", "logprobs": 3})), Ok(Some(3)));
+        assert_eq!(clp(json!({"model": "m", "logprobs": 0})), Ok(Some(0)));
+        assert_eq!(clp(json!({"model": "m", "logprobs": false})), Ok(None));
+        for (body, param) in [
+            (json!({"model": "m", "top_logprobs": 2}), "top_logprobs"),
+            (json!({"model": "m", "logprobs": true, "top_logprobs": 21}), "top_logprobs"),
+            (json!({"model": "m", "logprobs": true, "top_logprobs": -1}), "top_logprobs"),
+            (json!({"model": "m", "logprobs": 3}), "logprobs"),
+        ] {
+            assert_eq!(common(body.clone()).unwrap_err().param.as_deref(), Some(param), "{body}");
+        }
+        for (body, param) in [
+            (json!({"model": "m", "logprobs": true}), "logprobs"),
+            (json!({"model": "m", "logprobs": 21}), "logprobs"),
+            (json!({"model": "m", "logprobs": 2.5}), "logprobs"),
+            (json!({"model": "m", "top_logprobs": 2}), "top_logprobs"),
+        ] {
+            assert_eq!(completion(body.clone()).unwrap_err().param.as_deref(), Some(param), "{body}");
+        }
     }
 
     #[test]

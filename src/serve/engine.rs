@@ -19,13 +19,14 @@ use candle_core::Tensor;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::decode::generate::{Flow, StopMatch, StopRule, TextStream};
-use crate::decode::sampling::{rng, SamplingParams};
+use crate::decode::sampling::{rng, SamplingParams, TokenLogprobs};
 use crate::draft::budget::{choose_nodes_batch, CostCurve, LiveCosts};
 use crate::draft::choice::TreeChoice;
 use crate::draft::datastore::Datastore;
 use crate::draft::drafter::Drafter;
 use crate::draft::lookup::Lookup;
 use crate::model::loader::Target;
+use crate::model::tokenizer::Tokenizer;
 use crate::model::BatchEntry;
 use crate::spec::session::{Sequence, SpecOptions, Work};
 use crate::spec::verify::Rule;
@@ -46,7 +47,28 @@ pub struct Job {
     /// Decode past the end-of-sequence token, to `max_tokens` (vLLM's `ignore_eos`, for
     /// benchmarks of a fixed length).
     pub ignore_eos: bool,
+    /// Each answer token's log-probability with this many alternatives (`None`: not asked).
+    pub logprobs: Option<usize>,
     pub events: UnboundedSender<Event>,
+}
+
+/// One answer token's log-probability as an API lists it (the target's raw distribution, see
+/// [`crate::decode::sampling::token_logprobs`]): the token's text and bytes, and its likeliest
+/// alternatives likewise, best first.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub token: String,
+    pub bytes: Vec<u8>,
+    pub logprob: f32,
+    pub top: Vec<(String, Vec<u8>, f32)>,
+}
+
+impl TokenLogprob {
+    fn describe(tok: &Tokenizer, lp: &TokenLogprobs) -> Result<Self> {
+        let (token, bytes) = tok.token_bytes(lp.token)?;
+        let top = lp.top.iter().map(|&(id, x)| tok.token_bytes(id).map(|(t, b)| (t, b, x))).collect::<Result<_>>()?;
+        Ok(TokenLogprob { token, bytes, logprob: lp.logprob, top })
+    }
 }
 
 /// What a request hears back.
@@ -54,7 +76,8 @@ pub struct Job {
 pub enum Event {
     /// New answer text. `drafted` per token: whether the drafter proposed it and the target
     /// accepted it (false for the target's own tokens).
-    Text { text: String, tokens: Vec<(u32, bool)> },
+    /// `logprobs`: per token, when the request asked for them.
+    Text { text: String, tokens: Vec<(u32, bool)>, logprobs: Vec<TokenLogprob> },
     Done(Summary),
     Failed(String),
 }
@@ -185,6 +208,7 @@ pub fn start(target: Arc<Target>, drafter: Option<Arc<Drafter>>, datastore: Opti
 struct Active<'d> {
     seq: Sequence<'d>,
     job: Job,
+    tok: &'d Tokenizer,
     text: TextStream<'d>,
     stop: StopMatch,
     /// Tokens of `seq.output()` handled so far: sent, or dropped after a stop string.
@@ -257,8 +281,12 @@ fn run(target: &Target, drafter: Option<&Drafter>, datastore: Option<&Datastore>
             };
             match catching(|| Sequence::new(model, drafter, &job.prompt, opts, rng(job.seed))) {
                 Ok(seq) => {
+                    let seq = match job.logprobs {
+                        Some(top) => seq.with_logprobs(top),
+                        None => seq,
+                    };
                     let stop = StopMatch::new(job.stop.clone());
-                    active.push(Active { seq, job, text: TextStream::new(&target.tokenizer), stop, sent_tokens: 0, answer_tokens: 0, flushed: false, failed: false });
+                    active.push(Active { seq, job, tok: &target.tokenizer, text: TextStream::new(&target.tokenizer), stop, sent_tokens: 0, answer_tokens: 0, flushed: false, failed: false });
                 }
                 Err(e) => {
                     m.requests_failed.fetch_add(1, Ordering::Relaxed);
@@ -543,8 +571,15 @@ fn deliver(a: &mut Active, m: &Metrics) {
                 piece.push_str(&s);
             }
         }
+        let logprobs = match a.seq.logprobs().get(j).map(|lp| TokenLogprob::describe(a.tok, lp)).transpose() {
+            Ok(lp) => lp.into_iter().collect(),
+            Err(e) => {
+                a.fail(e);
+                return;
+            }
+        };
         let (text, stopped) = a.stop.push(&piece, end);
-        let _ = a.job.events.send(Event::Text { text, tokens: vec![(out[j], drafted)] });
+        let _ = a.job.events.send(Event::Text { text, tokens: vec![(out[j], drafted)], logprobs });
         if stopped {
             a.seq.stop();
             break;
@@ -557,7 +592,7 @@ fn deliver(a: &mut Active, m: &Metrics) {
             let mut piece = a.text.finish().ok().flatten().unwrap_or_default();
             let (text, _) = a.stop.push(&std::mem::take(&mut piece), true);
             if !text.is_empty() {
-                let _ = a.job.events.send(Event::Text { text, tokens: Vec::new() });
+                let _ = a.job.events.send(Event::Text { text, tokens: Vec::new(), logprobs: Vec::new() });
             }
         }
     }

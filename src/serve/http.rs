@@ -21,7 +21,7 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use crate::model::loader::Target;
 use crate::serve::api::{parse, ApiError, Decoding, Prompt, Request as ApiRequest};
-use crate::serve::engine::{EngineHandle, Event, Job, Refused, Summary};
+use crate::serve::engine::{EngineHandle, Event, Job, Refused, Summary, TokenLogprob};
 
 /// The page at `/`: one self-contained file (no framework, no CDN).
 pub const PAGE: &str = include_str!("page.html");
@@ -170,7 +170,7 @@ async fn chat(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
     let st = s.clone();
     let parsed = blocking(move || {
         let req: ApiRequest = parse(&body)?;
-        let d = req.decoding(&st.model_name)?;
+        let d = req.decoding(&st.model_name, true)?;
         let messages = req.messages()?;
         let ids = st.target.prompt_ids(&messages).map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
         Ok((ids, d))
@@ -186,7 +186,7 @@ async fn completions(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
     let st = s.clone();
     let parsed = blocking(move || {
         let req: ApiRequest = parse(&body)?;
-        let d = req.decoding(&st.model_name)?;
+        let d = req.decoding(&st.model_name, false)?;
         let ids = match req.prompt(st.target.model.config().vocab_size)? {
             Prompt::Text(text) => st.target.tokenizer.encode(&text, true).map_err(|e| ApiError::invalid(Some("prompt"), e.to_string()))?,
             Prompt::Ids(ids) => ids,
@@ -219,7 +219,7 @@ async fn answer(s: &Arc<AppState>, kind: Kind, ids: Vec<u32>, d: Decoding) -> Re
     let prompt_tokens = ids.len();
     let seed = d.seed.unwrap_or_else(|| now() ^ s.next_id.load(Ordering::Relaxed).wrapping_mul(0x9E37_79B9_7F4A_7C15));
     let (tx, rx) = unbounded_channel();
-    let job = Job { prompt: ids, params: d.params.clone(), max_tokens: d.max_tokens, seed, stop: d.stop.clone(), ignore_eos: d.ignore_eos, events: tx };
+    let job = Job { prompt: ids, params: d.params.clone(), max_tokens: d.max_tokens, seed, stop: d.stop.clone(), ignore_eos: d.ignore_eos, logprobs: d.logprobs, events: tx };
     match s.engine.submit(job) {
         Ok(()) => {}
         Err(Refused::Full) => {
@@ -231,10 +231,11 @@ async fn answer(s: &Arc<AppState>, kind: Kind, ids: Vec<u32>, d: Decoding) -> Re
     }
     let id = format!("{}-{}", if kind == Kind::Chat { "chatcmpl" } else { "cmpl" }, s.next_id.fetch_add(1, Ordering::Relaxed));
     let meta = Meta { id, created: now(), model: s.model_name.clone(), kind };
+    let logprobs = d.logprobs.is_some();
     if d.stream {
         stream(meta, rx, &d, prompt_tokens).into_response()
     } else {
-        whole(meta, rx).await
+        whole(meta, rx, logprobs).await
     }
 }
 
@@ -264,16 +265,81 @@ fn extension(sum: &Summary) -> Value {
     json!({"tau": sum.tau, "accepted_draft_tokens": sum.accepted_draft_tokens, "target_forwards": sum.target_forwards, "seed": sum.seed})
 }
 
-async fn whole(meta: Meta, mut rx: UnboundedReceiver<Event>) -> Response {
+/// Log-probabilities as JSON numbers: OpenAI's floor (-9999) for a token the model ruled out,
+/// whose -inf JSON cannot carry.
+fn finite(x: f32) -> f64 {
+    (x as f64).max(-9999.0)
+}
+
+/// Log-probabilities in each endpoint's shape: chat's `{"content": [{"token", "logprob",
+/// "bytes", "top_logprobs"}]}`, completions' parallel lists (`tokens`, `token_logprobs`,
+/// `top_logprobs` as token-to-logprob maps holding the chosen token too, `text_offset` in
+/// characters of the answer). `None` when the request did not ask (JSON `null`).
+#[derive(Default)]
+struct Logprobs {
+    on: bool,
+    entries: Vec<(TokenLogprob, usize)>,
+}
+
+impl Logprobs {
+    fn json(&self, kind: Kind) -> Value {
+        if !self.on {
+            return Value::Null;
+        }
+        match kind {
+            Kind::Chat => {
+                let one = |t: &str, b: &[u8], x: f32| json!({"token": t, "logprob": finite(x), "bytes": b});
+                let content: Vec<Value> = self
+                    .entries
+                    .iter()
+                    .map(|(e, _)| {
+                        let mut v = one(&e.token, &e.bytes, e.logprob);
+                        v["top_logprobs"] = e.top.iter().map(|(t, b, x)| one(t, b, *x)).collect();
+                        v
+                    })
+                    .collect();
+                json!({"content": content})
+            }
+            Kind::Completion => {
+                let top: Vec<Value> = self
+                    .entries
+                    .iter()
+                    .map(|(e, _)| {
+                        let mut m = serde_json::Map::new();
+                        for (t, _, x) in &e.top {
+                            m.entry(t.clone()).or_insert(json!(finite(*x)));
+                        }
+                        m.insert(e.token.clone(), json!(finite(e.logprob)));
+                        Value::Object(m)
+                    })
+                    .collect();
+                json!({
+                    "tokens": self.entries.iter().map(|(e, _)| e.token.clone()).collect::<Vec<_>>(),
+                    "token_logprobs": self.entries.iter().map(|(e, _)| finite(e.logprob)).collect::<Vec<_>>(),
+                    "top_logprobs": top,
+                    "text_offset": self.entries.iter().map(|(_, o)| *o).collect::<Vec<_>>(),
+                })
+            }
+        }
+    }
+}
+
+async fn whole(meta: Meta, mut rx: UnboundedReceiver<Event>, logprobs: bool) -> Response {
     let mut text = String::new();
+    let mut chars = 0;
+    let mut lps = Logprobs { on: logprobs, entries: Vec::new() };
     while let Some(ev) = rx.recv().await {
         match ev {
-            Event::Text { text: t, .. } => text.push_str(&t),
+            Event::Text { text: t, logprobs, .. } => {
+                lps.entries.extend(logprobs.into_iter().map(|e| (e, chars)));
+                chars += t.chars().count();
+                text.push_str(&t);
+            }
             Event::Failed(e) => return ApiError::server(500, e).into_response(),
             Event::Done(sum) => {
                 let choice = match meta.kind {
-                    Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": sum.finish_reason, "logprobs": null}),
-                    Kind::Completion => json!({"index": 0, "text": text, "finish_reason": sum.finish_reason, "logprobs": null}),
+                    Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": sum.finish_reason, "logprobs": lps.json(meta.kind)}),
+                    Kind::Completion => json!({"index": 0, "text": text, "finish_reason": sum.finish_reason, "logprobs": lps.json(meta.kind)}),
                 };
                 return Json(json!({"id": meta.id, "object": meta.object(false), "created": meta.created, "model": meta.model, "choices": [choice], "usage": usage(&sum), "selfspec": extension(&sum)})).into_response();
             }
@@ -290,12 +356,14 @@ async fn whole(meta: Meta, mut rx: UnboundedReceiver<Event>) -> Response {
 fn stream(meta: Meta, mut rx: UnboundedReceiver<Event>, d: &Decoding, prompt_tokens: usize) -> impl IntoResponse {
     let (tx, out) = unbounded_channel::<Result<SseEvent, Infallible>>();
     let (include_usage, continuous) = (d.include_usage, d.include_usage && d.continuous_usage);
+    let logprobs = d.logprobs.is_some();
     tokio::spawn(async move {
         let mut completion_tokens = 0;
-        let chunk = |delta: Value, finish: Option<&str>, extra: Option<Value>, done: usize| -> SseEvent {
+        let mut chars = 0;
+        let chunk = |delta: Value, finish: Option<&str>, extra: Option<Value>, done: usize, lps: &Logprobs| -> SseEvent {
             let choice = match meta.kind {
-                Kind::Chat => json!({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": null}),
-                Kind::Completion => json!({"index": 0, "text": delta.get("content").cloned().unwrap_or(json!("")), "finish_reason": finish, "logprobs": null}),
+                Kind::Chat => json!({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lps.json(meta.kind)}),
+                Kind::Completion => json!({"index": 0, "text": delta.get("content").cloned().unwrap_or(json!("")), "finish_reason": finish, "logprobs": lps.json(meta.kind)}),
             };
             let mut v = json!({"id": meta.id, "object": meta.object(true), "created": meta.created, "model": meta.model, "choices": [choice]});
             if continuous {
@@ -309,7 +377,7 @@ fn stream(meta: Meta, mut rx: UnboundedReceiver<Event>, d: &Decoding, prompt_tok
             SseEvent::default().data(v.to_string())
         };
         if meta.kind == Kind::Chat {
-            let _ = tx.send(Ok(chunk(json!({"role": "assistant", "content": ""}), None, None, 0)));
+            let _ = tx.send(Ok(chunk(json!({"role": "assistant", "content": ""}), None, None, 0, &Logprobs::default())));
         }
         loop {
             let ev = tokio::select! {
@@ -318,17 +386,19 @@ fn stream(meta: Meta, mut rx: UnboundedReceiver<Event>, d: &Decoding, prompt_tok
             };
             let Some(ev) = ev else { break };
             let sent = match ev {
-                Event::Text { text, tokens } => {
+                Event::Text { text, tokens, logprobs: entries } => {
                     completion_tokens += tokens.len();
                     let marks: Vec<Value> = tokens.iter().map(|&(id, d)| json!([id, d])).collect();
-                    tx.send(Ok(chunk(json!({"content": text}), None, Some(json!({"tokens": marks})), completion_tokens)))
+                    let lps = Logprobs { on: logprobs, entries: entries.into_iter().map(|e| (e, chars)).collect() };
+                    chars += text.chars().count();
+                    tx.send(Ok(chunk(json!({"content": text}), None, Some(json!({"tokens": marks})), completion_tokens, &lps)))
                 }
                 Event::Failed(e) => {
                     let _ = tx.send(Ok(SseEvent::default().data(ApiError::server(500, e).body().to_string())));
                     break;
                 }
                 Event::Done(sum) => {
-                    let _ = tx.send(Ok(chunk(json!({}), Some(sum.finish_reason), Some(extension(&sum)), sum.completion_tokens)));
+                    let _ = tx.send(Ok(chunk(json!({}), Some(sum.finish_reason), Some(extension(&sum)), sum.completion_tokens, &Logprobs::default())));
                     if include_usage {
                         let v = json!({"id": meta.id, "object": meta.object(true), "created": meta.created, "model": meta.model, "choices": [], "usage": usage(&sum), "selfspec": extension(&sum)});
                         let _ = tx.send(Ok(SseEvent::default().data(v.to_string())));

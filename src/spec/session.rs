@@ -14,7 +14,7 @@ use candle_core::Tensor;
 use crate::cpu::attention::TreeMask;
 use crate::cpu::reduce::{row_to_vec, with_rows};
 use crate::decode::generate::{check_budget, Flow, GenStats, StopRule};
-use crate::decode::sampling::{Rng64, SamplingParams};
+use crate::decode::sampling::{token_logprobs, Rng64, SamplingParams, TokenLogprobs};
 use crate::draft::budget::{choose_at_least, choose_nodes, probe_size, Budget, Calibration, CostCurve, Draft, LiveCosts, AFFORDABLE_COST, AUTO_NODES, EXPLORE_EVERY};
 use crate::draft::choice::TreeChoice;
 use crate::draft::drafter::{DraftState, Drafter};
@@ -196,6 +196,10 @@ pub struct Sequence<'d> {
     skipping: bool,
     /// The work out now is an exploring step: its cut keeps at least this many nodes.
     exploring: Option<usize>,
+    /// Alternatives to list beside each emitted token's log-probability; `None`: none recorded.
+    logprobs: Option<usize>,
+    /// Per token of `out`, when `logprobs` asks for them.
+    token_logprobs: Vec<TokenLogprobs>,
 }
 
 impl<'d> Sequence<'d> {
@@ -247,7 +251,24 @@ impl<'d> Sequence<'d> {
             started: Instant::now(),
             lag: Vec::new(),
             skipping: false,
+            logprobs: None,
+            token_logprobs: Vec::new(),
         })
+    }
+
+    /// Record each emitted token's log-probability under the target and its `top` likeliest
+    /// alternatives (at most [`crate::decode::sampling::MAX_TOP_LOGPROBS`]), from the very
+    /// logits rows verification read: the same numbers with or without a drafter, alone or in a
+    /// batch. Costs one pass over a logits row per emitted token.
+    pub fn with_logprobs(mut self, top: usize) -> Self {
+        self.logprobs = Some(top);
+        self
+    }
+
+    /// Per token of [`Self::output`], its log-probabilities (empty unless
+    /// [`Self::with_logprobs`] asked for them).
+    pub fn logprobs(&self) -> &[TokenLogprobs] {
+        &self.token_logprobs
     }
 
     pub fn is_done(&self) -> bool {
@@ -437,7 +458,11 @@ impl<'d> Sequence<'d> {
                     _ => Some(Tensor::cat(hs, 0)?),
                 };
                 let logits = logits.ok_or_else(|| Error::InvalidArgument("the prompt's last row needs its logits".into()))?;
-                let first = self.opts.params.choose(&row_to_vec(&logits, 0)?, &self.history, &mut self.rng);
+                let row = row_to_vec(&logits, 0)?;
+                let first = self.opts.params.choose(&row, &self.history, &mut self.rng);
+                if let Some(top) = self.logprobs {
+                    self.token_logprobs.push(token_logprobs(&row, first, top));
+                }
                 self.started = Instant::now();
                 let done = self.emit(first, false, on_token)?;
                 self.phase = match (done, self.drafter, states) {
@@ -457,6 +482,12 @@ impl<'d> Sequence<'d> {
                 self.stats.lookup_nodes += tree.len() - drafted_nodes;
                 let (history, params, rule, rng) = (&self.history, &self.opts.params, self.opts.rule, &mut self.rng);
                 let verdict = with_rows(&logits, |row| verify(tree, tokens, history, params, rule, rng, row))?;
+                // Token i was chosen at accepted node i: its logits row is that node's.
+                let mut lps = match self.logprobs {
+                    Some(top) => with_rows(&logits, |row| verdict.accepted.iter().zip(&verdict.emitted).map(|(&a, &t)| Ok(token_logprobs(row(a)?, t, top))).collect::<Result<Vec<_>>>())?,
+                    None => Vec::new(),
+                }
+                .into_iter();
                 let t_commit = Instant::now();
                 let committed = self.cache.len() - tree.len();
                 let slots: Vec<usize> = verdict.accepted.iter().map(|&a| committed + a).collect();
@@ -485,6 +516,7 @@ impl<'d> Sequence<'d> {
                 }
                 let mut done = false;
                 for (i, &tok) in verdict.emitted.iter().enumerate() {
+                    self.token_logprobs.extend(lps.next());
                     done = self.emit(tok, i + 1 < verdict.emitted.len(), on_token)?;
                     if done {
                         break;
