@@ -303,6 +303,8 @@ type Expected = (String, f32, Vec<(String, f32)>);
 /// plain decoding's, alone, token for token.
 #[test]
 fn logprobs_come_back_as_plain_decoding_gives_them_in_each_endpoints_shape() {
+    use selfspec::cpu::reduce::row_to_vec;
+    use selfspec::decode::sampling::token_logprobs;
     use selfspec::spec::Sequence;
     let (target, drafter) = load();
     let prompts = prompts();
@@ -330,10 +332,34 @@ fn logprobs_come_back_as_plain_decoding_gives_them_in_each_endpoints_shape() {
             .collect();
         want.push(lps);
     }
+    // lm-evaluation-harness's scoring request (token ids, echo, one new token, logprobs 1):
+    // each prompt token's log-probability given those before it, from one causal forward.
+    let scored = target.tokenizer.encode("The quick brown fox jumps over the lazy dog.", true).unwrap();
+    let mut cache = target.model.new_cache().unwrap();
+    let hidden = target.model.forward_causal(&scored, &mut cache).unwrap();
+    let logits = target.model.logits(&hidden).unwrap();
+    let prompt_want: Vec<f32> = (1..scored.len()).map(|i| token_logprobs(&row_to_vec(&logits, i - 1).unwrap(), scored[i], 1).logprob).collect();
     let (state, engine) = prepare(target, Some(drafter), None, &config(4, 8, None)).unwrap();
     let app = http::router(state, 64 * 1024);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     rt.block_on(async {
+        let (s, v, _) = call(&app, "/v1/completions", json!({"model": "smollm2", "prompt": scored, "temperature": 0, "max_tokens": 1, "logprobs": 1, "echo": true, "seed": 1234}), None).await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        let lp = &v["choices"][0]["logprobs"];
+        let got = lp["token_logprobs"].as_array().unwrap();
+        assert_eq!(got.len(), scored.len() + 1, "{v}");
+        assert!(got[0].is_null() && lp["top_logprobs"][0].is_null(), "{v}");
+        for (i, w) in prompt_want.iter().enumerate() {
+            assert_eq!(got[i + 1].as_f64().unwrap() as f32, *w, "prompt token {}", i + 1);
+        }
+        let text = v["choices"][0]["text"].as_str().unwrap();
+        assert!(text.starts_with("The quick brown fox jumps over the lazy dog."), "{text:?}");
+        let tokens: Vec<&str> = lp["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+        assert_eq!(tokens.concat(), text);
+        assert_eq!(v["usage"]["completion_tokens"], 1);
+        // Echo on chat is refused.
+        let (s, v, _) = call(&app, "/v1/chat/completions", json!({"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "echo": true}), None).await;
+        assert_eq!((s, v["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some("echo")), "{v}");
         let chat = |p: &str| json!({"model": "smollm2", "messages": [{"role": "user", "content": p}], "temperature": 0, "max_tokens": 24, "logprobs": true, "top_logprobs": 2});
         let mut tasks = Vec::new();
         for p in &prompts[..3] {

@@ -273,7 +273,11 @@ pub struct TokenLogprobs {
 pub fn token_logprobs(logits: &[f32], token: u32, top: usize) -> TokenLogprobs {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
     let log_z = if max == f64::NEG_INFINITY { f64::NEG_INFINITY } else { max + exp_sum(logits, max).ln() };
-    let lp = |x: f32| if x.is_nan() { f32::NEG_INFINITY } else { (x as f64 - log_z) as f32 };
+    // NaN (a NaN logit, or a row of -inf, or one with +inf) reads as "ruled out".
+    let lp = |x: f32| match x as f64 - log_z {
+        v if v.is_nan() => f32::NEG_INFINITY,
+        v => v as f32,
+    };
     let logprob = logits.get(token as usize).map_or(f32::NEG_INFINITY, |&x| lp(x));
     let k = top.min(MAX_TOP_LOGPROBS).min(logits.len());
     // The k best by a running insertion (k <= 20): one pass over the row, no sort of it.

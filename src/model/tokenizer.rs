@@ -65,7 +65,9 @@ impl Tokenizer {
         let Some(piece) = self.inner.id_to_token(id) else {
             return Err(Error::InvalidArgument(format!("token id {id} is outside the vocabulary ({} tokens)", self.vocab_size())));
         };
-        let byte_level = matches!(self.inner.get_decoder(), Some(tokenizers::DecoderWrapper::ByteLevel(_)));
+        // A byte-level vocabulary writes the space byte as U+0120 ("Ġ"); some tokenizer.json
+        // files put the ByteLevel decoder inside a sequence of decoders.
+        let byte_level = matches!(self.inner.get_decoder(), Some(tokenizers::DecoderWrapper::ByteLevel(_))) || self.inner.token_to_id("\u{0120}").is_some();
         let byte = piece.strip_prefix("<0x").and_then(|h| h.strip_suffix('>')).filter(|h| h.len() == 2).and_then(|h| u8::from_str_radix(h, 16).ok());
         let bytes = match (byte_level, byte) {
             // Added tokens of a byte-level vocabulary are stored as text: one outside the

@@ -66,6 +66,9 @@ pub struct Request {
     pub logprobs: Option<Value>,
     /// Chat: alternatives per token (0 to 20), with `logprobs: true`.
     pub top_logprobs: Option<Value>,
+    /// Completions: the answer starts with the prompt (and the log-probabilities with the
+    /// prompt's, the first `null`).
+    pub echo: Option<bool>,
     /// Accepted (OpenAI's end-user id: nothing to do with decoding).
     pub user: Option<String>,
     /// Everything else: refused by name unless it asks for nothing ([`asks_for_nothing`]).
@@ -129,7 +132,7 @@ pub fn asks_for_nothing(key: &str, v: &Value) -> bool {
         // Without tools there is nothing to call in parallel; metadata only tags stored output.
         "parallel_tool_calls" => v.is_boolean(),
         "metadata" => v.is_object(),
-        "echo" | "store" => v == false,
+        "store" => v == false,
         "best_of" => v == 1,
         "response_format" => v.get("type").is_some_and(|t| t == "text") && v.as_object().is_some_and(|o| o.len() == 1),
         "service_tier" => v == "auto" || v == "default",
@@ -160,6 +163,8 @@ pub struct Decoding {
     pub continuous_usage: bool,
     /// Each answer token's log-probability with this many alternatives (`None`: not asked).
     pub logprobs: Option<usize>,
+    /// Completions' `echo`: the prompt first.
+    pub echo: bool,
 }
 
 /// Parse a JSON body into `T`, as a 400 naming what is wrong: the body when it is not JSON,
@@ -197,7 +202,7 @@ impl Request {
         if let Some((k, _)) = self.other.iter().find(|(k, v)| !asks_for_nothing(k, v)) {
             let what = match k.as_str() {
                 "tools" | "tool_choice" | "functions" | "function_call" => "tool calling is not supported",
-                "echo" | "best_of" | "suffix" => "echo, best_of and suffix are not supported",
+                "best_of" | "suffix" => "best_of and suffix are not supported",
                 "response_format" => "structured output (response_format other than text) is not supported",
                 "logit_bias" => "logit_bias is not supported",
                 "store" => "stored completions are not supported",
@@ -267,6 +272,10 @@ impl Request {
             return Err(ApiError::invalid(Some("stop"), format!("at most {MAX_STOPS} stop strings of at most {MAX_STOP_LEN} bytes")));
         }
         let logprobs = self.logprobs(chat)?;
+        let echo = self.echo.unwrap_or(false);
+        if echo && chat {
+            return Err(ApiError::invalid(Some("echo"), "echo is for /v1/completions: a chat answer does not repeat the conversation"));
+        }
         let stream = self.stream.unwrap_or(false);
         let opts = self.stream_options.as_ref();
         if let Some(o) = opts {
@@ -287,6 +296,7 @@ impl Request {
             include_usage: opts.and_then(|o| o.include_usage).unwrap_or(false),
             continuous_usage: opts.and_then(|o| o.continuous_usage_stats).unwrap_or(false),
             logprobs,
+            echo,
         })
     }
 
@@ -438,6 +448,9 @@ mod tests {
         assert_eq!(clp(json!({"model": "m", "logprobs": 3})), Ok(Some(3)));
         assert_eq!(clp(json!({"model": "m", "logprobs": 0})), Ok(Some(0)));
         assert_eq!(clp(json!({"model": "m", "logprobs": false})), Ok(None));
+        assert!(completion(json!({"model": "m", "echo": true, "logprobs": 1})).unwrap().echo);
+        assert_eq!(common(json!({"model": "m", "echo": true})).unwrap_err().param.as_deref(), Some("echo"));
+        assert!(!common(json!({"model": "m", "echo": false})).unwrap().echo);
         for (body, param) in [
             (json!({"model": "m", "top_logprobs": 2}), "top_logprobs"),
             (json!({"model": "m", "logprobs": true, "top_logprobs": 21}), "top_logprobs"),

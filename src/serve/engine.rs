@@ -49,6 +49,9 @@ pub struct Job {
     pub ignore_eos: bool,
     /// Each answer token's log-probability with this many alternatives (`None`: not asked).
     pub logprobs: Option<usize>,
+    /// Send the prompt back first (completions' `echo`), with its tokens' log-probabilities
+    /// when `logprobs` asks for them.
+    pub echo: bool,
     pub events: UnboundedSender<Event>,
 }
 
@@ -59,16 +62,40 @@ pub struct Job {
 pub struct TokenLogprob {
     pub token: String,
     pub bytes: Vec<u8>,
-    pub logprob: f32,
+    /// `None` for an echoed prompt's first token, which nothing predicts.
+    pub logprob: Option<f32>,
     pub top: Vec<(String, Vec<u8>, f32)>,
 }
 
 impl TokenLogprob {
-    fn describe(tok: &Tokenizer, lp: &TokenLogprobs) -> Result<Self> {
-        let (token, bytes) = tok.token_bytes(lp.token)?;
-        let top = lp.top.iter().map(|&(id, x)| tok.token_bytes(id).map(|(t, b)| (t, b, x))).collect::<Result<_>>()?;
-        Ok(TokenLogprob { token, bytes, logprob: lp.logprob, top })
+    fn describe(tok: &Tokenizer, lp: &TokenLogprobs) -> Self {
+        let (token, bytes) = piece(tok, lp.token);
+        let top = lp.top.iter().map(|&(id, x)| {
+            let (t, b) = piece(tok, id);
+            (t, b, x)
+        });
+        TokenLogprob { token, bytes, logprob: Some(lp.logprob), top: top.collect() }
     }
+
+    /// The echoed prompt's tokens: each with its log-probability where one was recorded.
+    fn prompt(tok: &Tokenizer, prompt: &[u32], lps: Option<&[Option<TokenLogprobs>]>) -> Vec<Self> {
+        let Some(lps) = lps else { return Vec::new() };
+        let entry = |(i, &id): (usize, &u32)| match lps.get(i).and_then(Option::as_ref) {
+            Some(lp) => Self::describe(tok, lp),
+            None => {
+                let (token, bytes) = piece(tok, id);
+                TokenLogprob { token, bytes, logprob: None, top: Vec::new() }
+            }
+        };
+        prompt.iter().enumerate().map(entry).collect()
+    }
+}
+
+/// A token's text and bytes; an id the model scores but the tokenizer lacks (a checkpoint's
+/// vocabulary padding) as `token_id:N` without bytes, as vLLM shows it, rather than failing
+/// the request.
+fn piece(tok: &Tokenizer, id: u32) -> (String, Vec<u8>) {
+    tok.token_bytes(id).unwrap_or_else(|_| (format!("token_id:{id}"), Vec::new()))
 }
 
 /// What a request hears back.
@@ -218,6 +245,8 @@ struct Active<'d> {
     answer_tokens: usize,
     /// Whether the text stream's held-back bytes were sent (once, at the end).
     flushed: bool,
+    /// Whether the prompt was sent back (`echo`), once the prompt has been read.
+    echoed: bool,
     /// The sequence hit an error of its own and was told so; it leaves at the next retirement.
     failed: bool,
 }
@@ -281,12 +310,14 @@ fn run(target: &Target, drafter: Option<&Drafter>, datastore: Option<&Datastore>
             };
             match catching(|| Sequence::new(model, drafter, &job.prompt, opts, rng(job.seed))) {
                 Ok(seq) => {
-                    let seq = match job.logprobs {
-                        Some(top) => seq.with_logprobs(top),
-                        None => seq,
+                    let seq = match (job.logprobs, job.echo) {
+                        (Some(top), true) => seq.with_logprobs(top).with_prompt_logprobs(top),
+                        (Some(top), false) => seq.with_logprobs(top),
+                        (None, _) => seq,
                     };
                     let stop = StopMatch::new(job.stop.clone());
-                    active.push(Active { seq, job, tok: &target.tokenizer, text: TextStream::new(&target.tokenizer), stop, sent_tokens: 0, answer_tokens: 0, flushed: false, failed: false });
+                    let echoed = !job.echo;
+                    active.push(Active { seq, job, tok: &target.tokenizer, text: TextStream::new(&target.tokenizer), stop, sent_tokens: 0, answer_tokens: 0, flushed: false, echoed, failed: false });
                 }
                 Err(e) => {
                     m.requests_failed.fetch_add(1, Ordering::Relaxed);
@@ -542,6 +573,20 @@ fn shift_costs(c: &CostCurve, base: usize) -> CostCurve {
 /// Send a sequence's new tokens, one event per token (its text, holding back what might be
 /// the start of a stop string and incomplete UTF-8), and end it when a stop string appears.
 fn deliver(a: &mut Active, m: &Metrics) {
+    // The prompt first, once it has been read (the first token follows its last row).
+    if !a.echoed && !a.seq.output().is_empty() {
+        a.echoed = true;
+        match a.tok.decode(&a.job.prompt) {
+            Ok(text) => {
+                let logprobs = TokenLogprob::prompt(a.tok, &a.job.prompt, a.seq.prompt_logprobs());
+                let _ = a.job.events.send(Event::Text { text, tokens: Vec::new(), logprobs });
+            }
+            Err(e) => {
+                a.fail(e);
+                return;
+            }
+        }
+    }
     let out = a.seq.output().to_vec();
     let eos = a.seq.ended_on_eos() && a.seq.is_done();
     let last = a.seq.is_done() && !a.flushed;
@@ -571,13 +616,15 @@ fn deliver(a: &mut Active, m: &Metrics) {
                 piece.push_str(&s);
             }
         }
-        let logprobs = match a.seq.logprobs().get(j).map(|lp| TokenLogprob::describe(a.tok, lp)).transpose() {
-            Ok(lp) => lp.into_iter().collect(),
-            Err(e) => {
-                a.fail(e);
-                return;
+        // The end-of-sequence token keeps its entry (usage counts it) with the answer's text
+        // for it: none.
+        let logprobs = a.seq.logprobs().get(j).map(|lp| TokenLogprob::describe(a.tok, lp)).map(|mut e| {
+            if eos && j + 1 == out.len() {
+                (e.token, e.bytes) = (String::new(), Vec::new());
             }
-        };
+            e
+        });
+        let logprobs: Vec<TokenLogprob> = logprobs.into_iter().collect();
         let (text, stopped) = a.stop.push(&piece, end);
         let _ = a.job.events.send(Event::Text { text, tokens: vec![(out[j], drafted)], logprobs });
         if stopped {

@@ -219,7 +219,7 @@ async fn answer(s: &Arc<AppState>, kind: Kind, ids: Vec<u32>, d: Decoding) -> Re
     let prompt_tokens = ids.len();
     let seed = d.seed.unwrap_or_else(|| now() ^ s.next_id.load(Ordering::Relaxed).wrapping_mul(0x9E37_79B9_7F4A_7C15));
     let (tx, rx) = unbounded_channel();
-    let job = Job { prompt: ids, params: d.params.clone(), max_tokens: d.max_tokens, seed, stop: d.stop.clone(), ignore_eos: d.ignore_eos, logprobs: d.logprobs, events: tx };
+    let job = Job { prompt: ids, params: d.params.clone(), max_tokens: d.max_tokens, seed, stop: d.stop.clone(), ignore_eos: d.ignore_eos, logprobs: d.logprobs, echo: d.echo, events: tx };
     match s.engine.submit(job) {
         Ok(()) => {}
         Err(Refused::Full) => {
@@ -265,20 +265,22 @@ fn extension(sum: &Summary) -> Value {
     json!({"tau": sum.tau, "accepted_draft_tokens": sum.accepted_draft_tokens, "target_forwards": sum.target_forwards, "seed": sum.seed})
 }
 
-/// Log-probabilities as JSON numbers: OpenAI's floor (-9999) for a token the model ruled out,
-/// whose -inf JSON cannot carry.
-fn finite(x: f32) -> f64 {
-    (x as f64).max(-9999.0)
+/// A log-probability as JSON: OpenAI's floor (-9999) for a token the model ruled out, whose
+/// -inf JSON cannot carry; `null` for an echoed prompt's first token.
+fn finite(x: Option<f32>) -> Value {
+    x.map_or(Value::Null, |x| json!((x as f64).max(-9999.0)))
 }
 
 /// Log-probabilities in each endpoint's shape: chat's `{"content": [{"token", "logprob",
-/// "bytes", "top_logprobs"}]}`, completions' parallel lists (`tokens`, `token_logprobs`,
-/// `top_logprobs` as token-to-logprob maps holding the chosen token too, `text_offset` in
-/// characters of the answer). `None` when the request did not ask (JSON `null`).
+/// "bytes", "top_logprobs"}], "refusal": null}`, completions' parallel lists (`tokens`,
+/// `token_logprobs`, `top_logprobs` as token-to-logprob maps holding the chosen token too,
+/// `text_offset`: where each token's text starts, in characters, counting the token texts
+/// before it from `offset`, as vLLM counts). `null` when the request did not ask.
 #[derive(Default)]
 struct Logprobs {
     on: bool,
-    entries: Vec<(TokenLogprob, usize)>,
+    entries: Vec<TokenLogprob>,
+    offset: usize,
 }
 
 impl Logprobs {
@@ -288,51 +290,58 @@ impl Logprobs {
         }
         match kind {
             Kind::Chat => {
-                let one = |t: &str, b: &[u8], x: f32| json!({"token": t, "logprob": finite(x), "bytes": b});
+                let one = |t: &str, b: &[u8], x: Option<f32>| json!({"token": t, "logprob": finite(x), "bytes": b});
                 let content: Vec<Value> = self
                     .entries
                     .iter()
-                    .map(|(e, _)| {
+                    .map(|e| {
                         let mut v = one(&e.token, &e.bytes, e.logprob);
-                        v["top_logprobs"] = e.top.iter().map(|(t, b, x)| one(t, b, *x)).collect();
+                        v["top_logprobs"] = e.top.iter().map(|(t, b, x)| one(t, b, Some(*x))).collect();
                         v
                     })
                     .collect();
-                json!({"content": content})
+                json!({"content": content, "refusal": null})
             }
             Kind::Completion => {
                 let top: Vec<Value> = self
                     .entries
                     .iter()
-                    .map(|(e, _)| {
+                    .map(|e| {
+                        if e.logprob.is_none() {
+                            return Value::Null;
+                        }
                         let mut m = serde_json::Map::new();
                         for (t, _, x) in &e.top {
-                            m.entry(t.clone()).or_insert(json!(finite(*x)));
+                            m.entry(t.clone()).or_insert(finite(Some(*x)));
                         }
-                        m.insert(e.token.clone(), json!(finite(e.logprob)));
+                        m.insert(e.token.clone(), finite(e.logprob));
                         Value::Object(m)
                     })
                     .collect();
+                let offsets: Vec<usize> = self.entries.iter().scan(self.offset, |at, e| Some(std::mem::replace(at, *at + e.token.chars().count()))).collect();
                 json!({
-                    "tokens": self.entries.iter().map(|(e, _)| e.token.clone()).collect::<Vec<_>>(),
-                    "token_logprobs": self.entries.iter().map(|(e, _)| finite(e.logprob)).collect::<Vec<_>>(),
+                    "tokens": self.entries.iter().map(|e| e.token.clone()).collect::<Vec<_>>(),
+                    "token_logprobs": self.entries.iter().map(|e| finite(e.logprob)).collect::<Vec<_>>(),
                     "top_logprobs": top,
-                    "text_offset": self.entries.iter().map(|(_, o)| *o).collect::<Vec<_>>(),
+                    "text_offset": offsets,
                 })
             }
         }
+    }
+
+    /// Where the next chunk's tokens start: after these entries' texts.
+    fn end(&self) -> usize {
+        self.offset + self.entries.iter().map(|e| e.token.chars().count()).sum::<usize>()
     }
 }
 
 async fn whole(meta: Meta, mut rx: UnboundedReceiver<Event>, logprobs: bool) -> Response {
     let mut text = String::new();
-    let mut chars = 0;
-    let mut lps = Logprobs { on: logprobs, entries: Vec::new() };
+    let mut lps = Logprobs { on: logprobs, ..Default::default() };
     while let Some(ev) = rx.recv().await {
         match ev {
             Event::Text { text: t, logprobs, .. } => {
-                lps.entries.extend(logprobs.into_iter().map(|e| (e, chars)));
-                chars += t.chars().count();
+                lps.entries.extend(logprobs);
                 text.push_str(&t);
             }
             Event::Failed(e) => return ApiError::server(500, e).into_response(),
@@ -359,7 +368,7 @@ fn stream(meta: Meta, mut rx: UnboundedReceiver<Event>, d: &Decoding, prompt_tok
     let logprobs = d.logprobs.is_some();
     tokio::spawn(async move {
         let mut completion_tokens = 0;
-        let mut chars = 0;
+        let mut offset = 0;
         let chunk = |delta: Value, finish: Option<&str>, extra: Option<Value>, done: usize, lps: &Logprobs| -> SseEvent {
             let choice = match meta.kind {
                 Kind::Chat => json!({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lps.json(meta.kind)}),
@@ -389,8 +398,8 @@ fn stream(meta: Meta, mut rx: UnboundedReceiver<Event>, d: &Decoding, prompt_tok
                 Event::Text { text, tokens, logprobs: entries } => {
                     completion_tokens += tokens.len();
                     let marks: Vec<Value> = tokens.iter().map(|&(id, d)| json!([id, d])).collect();
-                    let lps = Logprobs { on: logprobs, entries: entries.into_iter().map(|e| (e, chars)).collect() };
-                    chars += text.chars().count();
+                    let lps = Logprobs { on: logprobs, entries, offset };
+                    offset = lps.end();
                     tx.send(Ok(chunk(json!({"content": text}), None, Some(json!({"tokens": marks})), completion_tokens, &lps)))
                 }
                 Event::Failed(e) => {

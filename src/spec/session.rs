@@ -121,8 +121,9 @@ pub struct SpecOptions<'a> {
 
 /// What a sequence asks of the next target forward.
 pub enum Work {
-    /// The next chunk of the prompt, run causally after what is cached.
-    Prefill { tokens: Vec<u32>, positions: Vec<usize>, mask: TreeMask },
+    /// The next chunk of the prompt, run causally after what is cached. `all_logits`: every
+    /// row's logits are read (the prompt's own log-probabilities), not the last row's alone.
+    Prefill { tokens: Vec<u32>, positions: Vec<usize>, mask: TreeMask, all_logits: bool },
     /// A drafted tree under the last emitted token (a root-only tree without a drafter: plain
     /// decoding). [`Sequence::cut`] trims it to what is worth verifying before it runs.
     Tree { draft: Draft, positions: Vec<usize>, mask: TreeMask },
@@ -146,9 +147,11 @@ impl Work {
         }
     }
     /// The rows whose logits [`Sequence::finish_work`] reads (all of a tree; the last row of the
-    /// prompt's final chunk; none of an earlier chunk).
+    /// prompt's final chunk; none of an earlier chunk; every row of a chunk whose prompt
+    /// log-probabilities were asked for).
     pub fn logit_rows(&self, prompt_done: bool) -> std::ops::Range<usize> {
         match self {
+            Work::Prefill { tokens, all_logits: true, .. } => 0..tokens.len(),
             Work::Prefill { tokens, .. } if prompt_done => tokens.len() - 1..tokens.len(),
             Work::Prefill { .. } => 0..0,
             Work::Tree { draft, .. } => 0..draft.tokens.len(),
@@ -200,6 +203,9 @@ pub struct Sequence<'d> {
     logprobs: Option<usize>,
     /// Per token of `out`, when `logprobs` asks for them.
     token_logprobs: Vec<TokenLogprobs>,
+    /// Alternatives per prompt token, and per prompt token so far its log-probability (`None`
+    /// for the first, which nothing predicts), when asked for.
+    prompt_logprobs: Option<(usize, Vec<Option<TokenLogprobs>>)>,
 }
 
 impl<'d> Sequence<'d> {
@@ -253,7 +259,23 @@ impl<'d> Sequence<'d> {
             skipping: false,
             logprobs: None,
             token_logprobs: Vec::new(),
+            prompt_logprobs: None,
         })
+    }
+
+    /// Record each prompt token's log-probability under the target given the tokens before it,
+    /// with its `top` likeliest alternatives (what `echo` with `logprobs` returns, and what
+    /// lm-evaluation-harness scores continuations by). Every prompt row's logits are then
+    /// computed: one `[rows, vocabulary]` product per prompt chunk instead of one row.
+    pub fn with_prompt_logprobs(mut self, top: usize) -> Self {
+        self.prompt_logprobs = Some((top, vec![None]));
+        self
+    }
+
+    /// Per prompt token, its log-probabilities (`None` for the first) once the prompt has been
+    /// read; `None` unless [`Self::with_prompt_logprobs`] asked for them.
+    pub fn prompt_logprobs(&self) -> Option<&[Option<TokenLogprobs>]> {
+        self.prompt_logprobs.as_ref().map(|(_, v)| v.as_slice())
     }
 
     /// Record each emitted token's log-probability under the target and its `top` likeliest
@@ -320,7 +342,7 @@ impl<'d> Sequence<'d> {
                 let end = (*done + prefill_chunk.max(1)).min(self.prompt_len);
                 let tokens = self.history[*done..end].to_vec();
                 let positions: Vec<usize> = (*done..end).collect();
-                Ok(Some(Work::Prefill { mask: TreeMask::causal(tokens.len()), tokens, positions }))
+                Ok(Some(Work::Prefill { mask: TreeMask::causal(tokens.len()), tokens, positions, all_logits: self.prompt_logprobs.is_some() }))
             }
             Phase::Decode(state) => {
                 self.exploring = None;
@@ -442,6 +464,16 @@ impl<'d> Sequence<'d> {
         let before = self.out.len();
         match (work, &mut self.phase) {
             (Work::Prefill { tokens, .. }, Phase::Prefill { done, hidden: hs }) => {
+                // Row r predicts the prompt token after position done + r.
+                if let (Some((top, lps)), Some(l)) = (self.prompt_logprobs.as_mut(), logits.as_ref()) {
+                    let next = &self.history[*done + 1..self.prompt_len];
+                    with_rows(l, |row| {
+                        for (r, &t) in next.iter().take(tokens.len()).enumerate() {
+                            lps.push(Some(token_logprobs(row(r)?, t, *top)));
+                        }
+                        Ok(())
+                    })?;
+                }
                 *done += tokens.len();
                 // Only a drafter reads the prompt's states, and a copy: `hidden` may be a view
                 // of a whole batch's forward, which it would otherwise keep alive.
@@ -458,7 +490,7 @@ impl<'d> Sequence<'d> {
                     _ => Some(Tensor::cat(hs, 0)?),
                 };
                 let logits = logits.ok_or_else(|| Error::InvalidArgument("the prompt's last row needs its logits".into()))?;
-                let row = row_to_vec(&logits, 0)?;
+                let row = row_to_vec(&logits, logits.dim(0)? - 1)?;
                 let first = self.opts.params.choose(&row, &self.history, &mut self.rng);
                 if let Some(top) = self.logprobs {
                     self.token_logprobs.push(token_logprobs(&row, first, top));
