@@ -97,6 +97,17 @@ fn bad_arguments() {
         assert!(!out.is_empty(), "{w}");
         assert!(err.contains("decode") && err.contains("tok/s"), "{w}: {err}");
     }
+    // perplexity: bad flags and texts named before any work; a text scored as llama.cpp does.
+    let dir = scratch("cli-ppl");
+    let short = dir.join("short.txt");
+    std::fs::write(&short, "the cat sat on the mat").unwrap();
+    expect_error(&["perplexity", "--model", m, "-f", short.to_str().unwrap(), "--ctx", "4"], &["--ctx 4", "at least 16"]);
+    expect_error(&["perplexity", "--model", m, "-f", dir.join("none.txt").to_str().unwrap()], &["none.txt"]);
+    expect_error(&["perplexity", "--model", m, "-f", short.to_str().unwrap(), "--ctx", "16"], &["short.txt", "needs at least 32"]);
+    let long_text = dir.join("long.txt");
+    std::fs::write(&long_text, "the cat sat on the mat and the dog ran in the park ".repeat(20)).unwrap();
+    let (code, out, err) = run(&["perplexity", "--model", m, "-f", long_text.to_str().unwrap(), "--ctx", "16", "--chunks", "3"]);
+    assert!(code == 0 && out.contains("[3]") && out.contains("Final estimate: PPL = "), "{out} {err}");
     // bench times every format by default.
     let (code, out, err) = run(&["bench", "--model", m, "--context", "8", "--tokens", "1,2", "--reps", "1"]);
     assert_eq!(code, 0, "{err}");

@@ -6,6 +6,7 @@ pub mod distill;
 pub mod eval;
 pub mod export;
 pub mod generate;
+pub mod perplexity;
 pub mod serve;
 pub mod train;
 pub mod tune;
@@ -44,6 +45,9 @@ enum Command {
     Export(export::ExportArgs),
     /// Time one forward over T new tokens after a context, for each T and weight format.
     Bench(bench::BenchArgs),
+    /// The target's perplexity over a text file, scored as llama.cpp's llama-perplexity scores
+    /// it: a check that a weight format keeps the model's quality.
+    Perplexity(perplexity::PerplexityArgs),
     /// An OpenAI-compatible HTTP server (chat and completions, streaming, /metrics, a page at
     /// /) that decodes all its requests together, each with self-speculation when --drafter.
     Serve(serve::ServeArgs),
@@ -59,6 +63,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Tune(a) => tune::run(a),
         Command::Export(a) => export::run(a),
         Command::Bench(a) => bench::run(a),
+        Command::Perplexity(a) => perplexity::run(a),
         Command::Serve(a) => serve::run(a),
     }
 }
