@@ -317,14 +317,7 @@ fn logprobs_come_back_as_plain_decoding_gives_them_in_each_endpoints_shape() {
         let plan = Plan::parse("chain:1").unwrap();
         let opts = SpecOptions { tree: plan.tree, lookup: None, datastore: None, rule: Rule::Greedy, params, stop };
         let mut seq = Sequence::new(&target.model, None, &ids, opts, rng(0)).unwrap().with_logprobs(2);
-        while let Some(work) = seq.next_work(&target.model, usize::MAX, true).unwrap() {
-            let last = work.tokens().len() >= seq.prompt_left();
-            let hidden = target.model.forward(work.tokens(), work.positions(), work.mask(), seq.cache_mut()).unwrap();
-            let r = work.logit_rows(last);
-            let logits = (!r.is_empty()).then(|| target.model.logits(&hidden.narrow(0, r.start, r.len()).unwrap()).unwrap());
-            let n = work.tokens().len();
-            seq.finish_work(&target.model, work, hidden, logits, n, 1.0, &mut |_, _| Ok(Flow::Continue)).unwrap();
-        }
+        run_alone(&target.model, &mut seq);
         let lps: Vec<Expected> = seq
             .logprobs()
             .iter()

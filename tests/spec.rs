@@ -574,17 +574,7 @@ fn logprobs_with_a_drafter_are_plain_decodings_bit_for_bit() {
         let stop = StopRule { max_new_tokens: 40, eos_ids: &t.tokenizer.eos_ids };
         let opts = SpecOptions { tree, lookup: None, datastore: None, rule: Rule::for_params(params, false), params: params.clone(), stop };
         let mut seq = Sequence::new(&t.model, drafter, ids, opts, rng(9)).unwrap().with_logprobs(3);
-        let mut forwards = 0;
-        while let Some(work) = seq.next_work(&t.model, usize::MAX, true).unwrap() {
-            let work = seq.cut(work).unwrap();
-            let last = work.tokens().len() >= seq.prompt_left();
-            let hidden = t.model.forward(work.tokens(), work.positions(), work.mask(), seq.cache_mut()).unwrap();
-            let r = work.logit_rows(last);
-            let logits = (!r.is_empty()).then(|| t.model.logits(&hidden.narrow(0, r.start, r.len()).unwrap()).unwrap());
-            let n = work.tokens().len();
-            seq.finish_work(&t.model, work, hidden, logits, n, 1.0, &mut |_, _| Ok(Flow::Continue)).unwrap();
-            forwards += 1;
-        }
+        let forwards = run_alone(&t.model, &mut seq);
         let lps = seq.logprobs().to_vec();
         let (out, _, _) = seq.finish();
         assert_eq!(lps.len(), out.len());

@@ -162,3 +162,20 @@ pub fn check_layer_forwards_agree(t: &Target, train: &selfspec::draft::layer::Tr
     }
     preds
 }
+
+/// Step `seq` alone to its end, as `generate_spec` does (each tree cut by the sequence's own
+/// costs); returns the target forwards it took.
+pub fn run_alone(model: &Llama, seq: &mut selfspec::spec::Sequence) -> usize {
+    let mut forwards = 0;
+    while let Some(work) = seq.next_work(model, usize::MAX, true).unwrap() {
+        let work = seq.cut(work).unwrap();
+        let last = work.tokens().len() >= seq.prompt_left();
+        let hidden = model.forward(work.tokens(), work.positions(), work.mask(), seq.cache_mut()).unwrap();
+        let r = work.logit_rows(last);
+        let logits = (!r.is_empty()).then(|| model.logits(&hidden.narrow(0, r.start, r.len()).unwrap()).unwrap());
+        let n = work.tokens().len();
+        seq.finish_work(model, work, hidden, logits, n, 1.0, &mut |_, _| Ok(selfspec::Flow::Continue)).unwrap();
+        forwards += 1;
+    }
+    forwards
+}
