@@ -185,6 +185,8 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_going() {
         assert_eq!((s, v["error"]["code"].as_str()), (StatusCode::UNAUTHORIZED, Some("invalid_api_key")));
         let (s, _, _) = call(&app, "/v1/completions", ok.clone(), Some("wrong")).await;
         assert_eq!(s, StatusCode::UNAUTHORIZED);
+        let (s, _, _) = call(&app, "/tokenize", json!({"prompt": "hi"}), None).await;
+        assert_eq!(s, StatusCode::UNAUTHORIZED, "the tokenizer endpoints are behind the key too");
         let (s, v, _) = call(&app, "/v1/completions", ok.clone(), key).await;
         assert_eq!(s, StatusCode::OK, "{v}");
         assert_eq!(v["object"], "text_completion");
@@ -350,6 +352,32 @@ fn logprobs_come_back_as_plain_decoding_gives_them_in_each_endpoints_shape() {
         let tokens: Vec<&str> = lp["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
         assert_eq!(tokens.concat(), text);
         assert_eq!(v["usage"]["completion_tokens"], 1);
+        // The tokenizer endpoints lm-evaluation-harness's remote tokenizer reads (vLLM's shapes,
+        // llama.cpp's `content` too): ids and text round-trip, specials and the template listed.
+        let (s, v, _) = call(&app, "/tokenize", json!({"prompt": "The quick brown fox jumps over the lazy dog.", "add_special_tokens": true}), None).await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        assert_eq!(v["tokens"], json!(scored));
+        assert_eq!((v["count"].as_u64(), v["max_model_len"].as_u64()), (Some(scored.len() as u64), Some(8192)), "{v}");
+        let (_, v2, _) = call(&app, "/tokenize", json!({"content": "<|im_end|>", "add_special_tokens": false}), None).await;
+        assert_eq!(v2["tokens"].as_array().map(Vec::len), Some(1), "an end-of-sequence marker is one token: {v2}");
+        let (s, v, _) = call(&app, "/detokenize", json!({"tokens": scored}), None).await;
+        assert_eq!((s, v["prompt"].as_str(), v["content"].as_str()), (StatusCode::OK, Some("The quick brown fox jumps over the lazy dog."), Some("The quick brown fox jumps over the lazy dog.")), "{v}");
+        let info = app.clone().oneshot(Request::get("/tokenizer_info").body(Body::empty()).unwrap()).await.unwrap();
+        let info: Value = serde_json::from_slice(&info.into_body().collect().await.unwrap().to_bytes()).unwrap();
+        assert_eq!(info["eos_token"], "<|im_end|>");
+        assert!(info["chat_template"].as_str().is_some_and(|t| t.contains("im_start")), "{info}");
+        for (path, body, param) in [
+            ("/tokenize", json!({"prompt": "a", "content": "b"}), "content"),
+            ("/tokenize", json!({"text": "a"}), "text"),
+            ("/tokenize", json!({}), "prompt"),
+            ("/detokenize", json!({"tokens": [1, 10000000]}), "tokens"),
+            ("/detokenize", json!({"tokens": [-1]}), "tokens[0]"),
+        ] {
+            let (s, v, _) = call(&app, path, body.clone(), None).await;
+            assert_eq!((s, v["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some(param)), "{path} {body}: {v}");
+        }
+        let (s, _, _) = call(&app, "/tokenize", json!({"prompt": "a", "model": "other"}), None).await;
+        assert_eq!(s, StatusCode::NOT_FOUND);
         // Echo on chat is refused.
         let (s, v, _) = call(&app, "/v1/chat/completions", json!({"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "echo": true}), None).await;
         assert_eq!((s, v["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some("echo")), "{v}");

@@ -414,6 +414,69 @@ impl Request {
     }
 }
 
+/// `POST /tokenize`: text to token ids, as vLLM (`prompt`) and llama.cpp's server (`content`)
+/// take it; `add_special_tokens` (default true) adds BOS where the model adds one.
+#[derive(Debug, Deserialize)]
+#[serde(expecting = "a JSON object")]
+pub struct TokenizeRequest {
+    pub prompt: Option<String>,
+    pub content: Option<String>,
+    pub add_special_tokens: Option<bool>,
+    pub model: Option<String>,
+    #[serde(flatten)]
+    pub other: BTreeMap<String, Value>,
+}
+
+impl TokenizeRequest {
+    /// The text to tokenize and whether to add BOS, checked against the served model's name.
+    pub fn text(&self, served: &str) -> Result<(&str, bool), ApiError> {
+        if let Some((k, _)) = self.other.iter().find(|(_, v)| !v.is_null()) {
+            return Err(ApiError::invalid(Some(k), format!("{k}: unknown or unsupported parameter (tokenize takes prompt or content, add_special_tokens, model)")));
+        }
+        check_model(self.model.as_deref(), served)?;
+        match (&self.prompt, &self.content) {
+            (Some(t), None) | (None, Some(t)) => Ok((t, self.add_special_tokens.unwrap_or(true))),
+            (Some(_), Some(_)) => Err(ApiError::invalid(Some("content"), "give prompt or content, not both")),
+            (None, None) => Err(ApiError::invalid(Some("prompt"), "prompt (or content) is required")),
+        }
+    }
+}
+
+/// `POST /detokenize`: token ids back to text.
+#[derive(Debug, Deserialize)]
+#[serde(expecting = "a JSON object")]
+pub struct DetokenizeRequest {
+    pub tokens: Vec<u64>,
+    pub model: Option<String>,
+    #[serde(flatten)]
+    pub other: BTreeMap<String, Value>,
+}
+
+impl DetokenizeRequest {
+    /// The ids, each below `vocab`.
+    pub fn ids(&self, served: &str, vocab: usize) -> Result<Vec<u32>, ApiError> {
+        if let Some((k, _)) = self.other.iter().find(|(_, v)| !v.is_null()) {
+            return Err(ApiError::invalid(Some(k), format!("{k}: unknown or unsupported parameter (detokenize takes tokens, model)")));
+        }
+        check_model(self.model.as_deref(), served)?;
+        self.tokens
+            .iter()
+            .map(|&t| match u32::try_from(t) {
+                Ok(id) if (id as usize) < vocab => Ok(id),
+                _ => Err(ApiError::invalid(Some("tokens"), format!("tokens: ids must be below the vocabulary's {vocab}, got {t}"))),
+            })
+            .collect()
+    }
+}
+
+/// A `model` a request may omit, but when given must name the served model (404 otherwise).
+fn check_model(model: Option<&str>, served: &str) -> Result<(), ApiError> {
+    match model {
+        Some(m) if m != served => Err(ApiError { status: 404, message: format!("the model '{m}' does not exist (this server serves '{served}')"), kind: "invalid_request_error", param: Some("model".into()), code: Some("model_not_found") }),
+        _ => Ok(()),
+    }
+}
+
 /// Usage, with selfspec's own fields beside OpenAI's.
 #[derive(Debug, Serialize, Clone)]
 pub struct Usage {

@@ -20,7 +20,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use crate::model::loader::Target;
-use crate::serve::api::{parse, ApiError, Decoding, Prompt, Request as ApiRequest};
+use crate::serve::api::{parse, ApiError, Decoding, DetokenizeRequest, Prompt, Request as ApiRequest, TokenizeRequest};
 use crate::serve::engine::{EngineHandle, Event, Job, Refused, Summary, TokenLogprob};
 
 /// The page at `/`: one self-contained file (no framework, no CDN).
@@ -57,6 +57,9 @@ pub fn router(state: Arc<AppState>, body_limit: usize) -> Router {
         .route("/v1/models", get(models))
         .route("/v1/models/{*id}", get(model))
         .route("/metrics", get(metrics))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .route("/tokenizer_info", get(tokenizer_info))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth));
     Router::new()
         .route("/", get(|| async { Html(PAGE) }))
@@ -202,8 +205,50 @@ async fn completions(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
 
 /// Parsing, the chat template and tokenization run off the async workers: a 1 MiB prompt takes
 /// the tokenizer a while, and the runtime has one worker, which every stream shares.
-async fn blocking(f: impl FnOnce() -> Result<(Vec<u32>, Decoding), ApiError> + Send + 'static) -> Result<(Vec<u32>, Decoding), ApiError> {
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, ApiError> + Send + 'static) -> Result<T, ApiError> {
     tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| Err(ApiError::server(500, format!("internal error while reading the request: {e}"))))
+}
+
+/// `POST /tokenize` (vLLM's and llama.cpp's server's): `{"tokens", "count", "max_model_len"}`.
+/// With `/detokenize` and `/tokenizer_info`, what lm-evaluation-harness's remote tokenizer asks
+/// for, so it runs against this server with no tokenizer files of its own.
+async fn tokenize(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
+    let st = s.clone();
+    let r = blocking(move || {
+        let req: TokenizeRequest = parse(&body)?;
+        let (text, special) = req.text(&st.model_name)?;
+        let ids = st.target.tokenizer.encode(text, special).map_err(|e| ApiError::invalid(Some("prompt"), e.to_string()))?;
+        Ok(json!({"tokens": ids, "count": ids.len(), "max_model_len": st.target.model.config().max_position}))
+    })
+    .await;
+    r.map(Json).into_response()
+}
+
+/// `POST /detokenize`: `{"prompt": text}` (vLLM's name) with `content` (llama.cpp's) beside it.
+async fn detokenize(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
+    let st = s.clone();
+    let r = blocking(move || {
+        let req: DetokenizeRequest = parse(&body)?;
+        let ids = req.ids(&st.model_name, st.target.tokenizer.vocab_size())?;
+        let text = st.target.tokenizer.decode(&ids).map_err(|e| ApiError::invalid(Some("tokens"), e.to_string()))?;
+        Ok(json!({"prompt": text, "content": text}))
+    })
+    .await;
+    r.map(Json).into_response()
+}
+
+/// `GET /tokenizer_info`: the special tokens, the chat template and the context, as vLLM lists them.
+async fn tokenizer_info(State(s): State<Arc<AppState>>) -> Json<Value> {
+    let t = &s.target.tokenizer;
+    Json(json!({
+        "tokenizer_class": "selfspec",
+        "eos_token": t.eos_token,
+        "bos_token": t.bos_id.map(|_| t.bos_token.clone()),
+        "add_bos_token": t.add_bos,
+        "pad_token": null,
+        "chat_template": s.target.chat_template.as_ref().map(|c| c.source()),
+        "model_max_length": s.target.model.config().max_position,
+    }))
 }
 
 /// Queue the request and answer it, whole or streamed.
