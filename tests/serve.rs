@@ -222,8 +222,11 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_going() {
         assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
         let (s, v, _) = call(&app, "/v1/chat/completions", json!({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}), key).await;
         assert_eq!((s, v["error"]["code"].as_str()), (StatusCode::NOT_FOUND, Some("model_not_found")));
-        let (s, v, _) = call(&app, "/v1/chat/completions", json!({"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "n": 3}), key).await;
-        assert_eq!((s, v["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some("n")));
+        // More choices than the queue holds (--queue 1 here), or than a request may ask.
+        for n in [3, 17] {
+            let (s, v, _) = call(&app, "/v1/chat/completions", json!({"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "n": n}), key).await;
+            assert_eq!((s, v["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some("n")), "n = {n}: {v}");
+        }
         let (s, v, _) = call(&app, "/v1/chat/completions", json!({"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}), key).await;
         assert_eq!((s, v["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some("tools")));
         let long = "word ".repeat(context + 10);
@@ -334,6 +337,19 @@ fn logprobs_come_back_as_plain_decoding_gives_them_in_each_endpoints_shape() {
     let hidden = target.model.forward_causal(&scored, &mut cache).unwrap();
     let logits = target.model.logits(&hidden).unwrap();
     let prompt_want: Vec<f32> = (1..scored.len()).map(|i| token_logprobs(&row_to_vec(&logits, i - 1).unwrap(), scored[i], 1).logprob).collect();
+    // Two prompts x n = 2, sampled with seed 5: choice k is prompt k / 2 decoded alone with seed
+    // 5 + k, as plain sampling gives it.
+    let batch = ["The sea is", "My favourite book"];
+    let sampled = SamplingParams { temperature: 0.8, ..Default::default() };
+    let mut choices_want = Vec::new();
+    for k in 0..4 {
+        let ids = target.tokenizer.encode(batch[k / 2], true).unwrap();
+        let stop = StopRule { max_new_tokens: 12, eos_ids: &target.tokenizer.eos_ids };
+        let (out, _) = generate_plain(&target.model, &ids, &sampled, &stop, &mut rng(5 + k as u64), &mut |_| Ok(Flow::Continue)).unwrap();
+        let eos = target.tokenizer.eos_ids.contains(out.last().unwrap());
+        choices_want.push(target.tokenizer.decode(&out[..out.len() - eos as usize]).unwrap());
+    }
+    let batch_prompt_tokens: usize = batch.iter().map(|p| target.tokenizer.encode(p, true).unwrap().len()).sum();
     let (state, engine) = prepare(target, Some(drafter), None, &config(4, 8, None)).unwrap();
     let app = http::router(state, 64 * 1024);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
@@ -378,6 +394,28 @@ fn logprobs_come_back_as_plain_decoding_gives_them_in_each_endpoints_shape() {
         }
         let (s, _, _) = call(&app, "/tokenize", json!({"prompt": "a", "model": "other"}), None).await;
         assert_eq!(s, StatusCode::NOT_FOUND);
+        // n choices per prompt, prompts in a batch: OpenAI's order, each seeded by its index.
+        let (s, v, _) = call(&app, "/v1/completions", json!({"model": "smollm2", "prompt": batch, "n": 2, "temperature": 0.8, "seed": 5, "max_tokens": 12}), None).await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        let got: Vec<(u64, &str)> = v["choices"].as_array().unwrap().iter().map(|c| (c["index"].as_u64().unwrap(), c["text"].as_str().unwrap())).collect();
+        assert_eq!(got, choices_want.iter().enumerate().map(|(k, t)| (k as u64, t.as_str())).collect::<Vec<_>>());
+        assert_eq!(v["usage"]["prompt_tokens"].as_u64(), Some(batch_prompt_tokens as u64), "each prompt counted once: {v}");
+        assert!(v["choices"][3]["selfspec"]["tau"].as_f64().unwrap() >= 1.0 && v["selfspec"]["target_forwards"].as_u64().unwrap() > 0, "{v}");
+        // Streamed, the choices interleave by index and add up to the same texts.
+        let body = json!({"model": "smollm2", "prompt": batch, "n": 2, "temperature": 0.8, "seed": 5, "max_tokens": 12, "stream": true, "stream_options": {"include_usage": true}});
+        let resp = app.clone().oneshot(Request::post("/v1/completions").header("content-type", "application/json").body(Body::from(body.to_string())).unwrap()).await.unwrap();
+        let raw = String::from_utf8(resp.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap();
+        let mut texts = vec![String::new(); 4];
+        let mut finished = 0;
+        let events: Vec<Value> = raw.split("\n\n").filter_map(|e| e.strip_prefix("data: ")).filter(|e| *e != "[DONE]").map(|e| serde_json::from_str(e).unwrap()).collect();
+        for e in &events {
+            if let Some(c) = e["choices"].as_array().and_then(|c| c.first()) {
+                texts[c["index"].as_u64().unwrap() as usize].push_str(c["text"].as_str().unwrap());
+                finished += c["finish_reason"].is_string() as usize;
+            }
+        }
+        assert_eq!((texts, finished), (choices_want.clone(), 4));
+        assert_eq!(events.last().unwrap()["usage"]["completion_tokens"], v["usage"]["completion_tokens"]);
         // Echo on chat is refused.
         let (s, v, _) = call(&app, "/v1/chat/completions", json!({"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "echo": true}), None).await;
         assert_eq!((s, v["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some("echo")), "{v}");

@@ -144,6 +144,9 @@ pub fn asks_for_nothing(key: &str, v: &Value) -> bool {
 /// The most new tokens a request may ask for when it says nothing (as llama.cpp's server, the
 /// context is the other limit).
 pub const DEFAULT_MAX_TOKENS: u64 = 512;
+/// Choices a request may ask for at most, over its prompts (`n` for each): each is a sequence
+/// of its own in the engine's queue.
+pub const MAX_CHOICES: usize = 16;
 /// Stop strings at most, and their length at most (OpenAI allows 4).
 pub const MAX_STOPS: usize = 4;
 pub const MAX_STOP_LEN: usize = 256;
@@ -165,6 +168,8 @@ pub struct Decoding {
     pub logprobs: Option<usize>,
     /// Completions' `echo`: the prompt first.
     pub echo: bool,
+    /// Choices per prompt (`n`), each seeded `seed + its index`.
+    pub n: usize,
 }
 
 /// Parse a JSON body into `T`, as a 400 naming what is wrong: the body when it is not JSON,
@@ -218,9 +223,10 @@ impl Request {
             }
             Some(_) => {}
         }
-        if let Some(n) = self.n.filter(|&n| n != 1) {
-            return Err(ApiError::invalid(Some("n"), format!("n = {n}: only one choice per request is supported")));
-        }
+        let n = match self.n.unwrap_or(1) {
+            n if (1..=MAX_CHOICES as u64).contains(&n) => n as usize,
+            n => return Err(ApiError::invalid(Some("n"), format!("n = {n}: from 1 to {MAX_CHOICES} choices a request"))),
+        };
         let max_tokens = match (self.max_tokens, self.max_completion_tokens) {
             (Some(a), Some(b)) if a != b => return Err(ApiError::invalid(Some("max_tokens"), "max_tokens and max_completion_tokens disagree")),
             (Some(a), _) | (None, Some(a)) => a,
@@ -297,6 +303,7 @@ impl Request {
             continuous_usage: opts.and_then(|o| o.continuous_usage_stats).unwrap_or(false),
             logprobs,
             echo,
+            n,
         })
     }
 
@@ -382,13 +389,12 @@ impl Request {
             .collect()
     }
 
-    /// The prompt of `/v1/completions`: one string (a list of one is taken too) or one list of
-    /// token ids below `vocab` (or a list of one such list).
-    pub fn prompt(&self, vocab: usize) -> Result<Prompt, ApiError> {
+    /// The prompts of `/v1/completions`: one string or one list of token ids below `vocab`, or a
+    /// batch: a list of strings, or a list of such lists (at most [`MAX_CHOICES`]).
+    pub fn prompt(&self, vocab: usize) -> Result<Vec<Prompt>, ApiError> {
         if self.messages.is_some() {
             return Err(ApiError::invalid(Some("messages"), "messages is for /v1/chat/completions; a completion request sends prompt"));
         }
-        let batch = || ApiError::invalid(Some("prompt"), "one prompt per request: batches of prompts are not supported (send one request each)");
         let ids = |a: &[Value]| -> Result<Prompt, ApiError> {
             let mut out = Vec::with_capacity(a.len());
             for v in a {
@@ -399,17 +405,19 @@ impl Request {
             }
             Ok(Prompt::Ids(out))
         };
+        let one = |v: &Value| match v {
+            Value::String(s) => Ok(Prompt::Text(s.clone())),
+            Value::Array(inner) if inner.iter().all(Value::is_number) => ids(inner),
+            _ => Err(ApiError::invalid(Some("prompt"), "prompt must be a string, a list of token ids, or a list of either")),
+        };
         match &self.prompt {
             None => Err(ApiError::invalid(Some("prompt"), "prompt is required")),
-            Some(Value::String(s)) => Ok(Prompt::Text(s.clone())),
-            Some(Value::Array(a)) if a.iter().all(Value::is_number) => ids(a),
-            Some(Value::Array(a)) if a.len() == 1 => match &a[0] {
-                Value::String(s) => Ok(Prompt::Text(s.clone())),
-                Value::Array(inner) if inner.iter().all(Value::is_number) => ids(inner),
-                _ => Err(ApiError::invalid(Some("prompt"), "prompt must be a string or a list of token ids")),
-            },
-            Some(Value::Array(a)) if a.iter().all(|v| v.is_string() || v.is_array()) => Err(batch()),
-            Some(_) => Err(ApiError::invalid(Some("prompt"), "prompt must be a string or a list of token ids")),
+            Some(Value::String(s)) => Ok(vec![Prompt::Text(s.clone())]),
+            Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_number) => Ok(vec![ids(a)?]),
+            Some(Value::Array(a)) if a.is_empty() => Err(ApiError::invalid(Some("prompt"), "prompt is empty")),
+            Some(Value::Array(a)) if a.len() > MAX_CHOICES => Err(ApiError::invalid(Some("prompt"), format!("a batch of {} prompts; at most {MAX_CHOICES} a request", a.len()))),
+            Some(Value::Array(a)) => a.iter().map(one).collect(),
+            Some(_) => Err(ApiError::invalid(Some("prompt"), "prompt must be a string, a list of token ids, or a list of either")),
         }
     }
 }
@@ -539,7 +547,8 @@ mod tests {
         let d = common(serde_json::json!({"model": "m"})).unwrap();
         assert_eq!((d.params.temperature, d.max_tokens as u64), (1.0, DEFAULT_MAX_TOKENS), "OpenAI's defaults");
         for (body, param, status) in [
-            (serde_json::json!({"model": "m", "n": 2}), "n", 400),
+            (serde_json::json!({"model": "m", "n": 0}), "n", 400),
+            (serde_json::json!({"model": "m", "n": 17}), "n", 400),
             (serde_json::json!({"model": "m", "tools": [{"type": "function"}]}), "tools", 400),
             (serde_json::json!({"model": "m", "logit_bias": {"1": 2}}), "logit_bias", 400),
             (serde_json::json!({"model": "m", "echo": true}), "echo", 400),
@@ -612,18 +621,20 @@ mod tests {
     }
 
     #[test]
-    fn completion_prompts_are_one_string_or_one_list_of_token_ids() {
+    fn completion_prompts_are_strings_or_token_ids_one_or_a_batch() {
         let p = |body: &str| parse::<Request>(body.as_bytes()).unwrap().prompt(100);
-        assert_eq!(p(r#"{"prompt":"a"}"#).unwrap(), Prompt::Text("a".into()));
-        assert_eq!(p(r#"{"prompt":["a"]}"#).unwrap(), Prompt::Text("a".into()));
-        assert_eq!(p(r#"{"prompt":[5, 99]}"#).unwrap(), Prompt::Ids(vec![5, 99]));
-        assert_eq!(p(r#"{"prompt":[[5]]}"#).unwrap(), Prompt::Ids(vec![5]));
-        for body in [r#"{"prompt":["a","b"]}"#, r#"{"prompt":[[1],[2]]}"#, r#"{"prompt":[100]}"#, r#"{"prompt":[-1]}"#, r#"{"prompt":[1.5]}"#, r#"{"prompt":7}"#, r#"{}"#, r#"{"prompt":"a","messages":[]}"#] {
+        assert_eq!(p(r#"{"prompt":"a"}"#).unwrap(), vec![Prompt::Text("a".into())]);
+        assert_eq!(p(r#"{"prompt":["a"]}"#).unwrap(), vec![Prompt::Text("a".into())]);
+        assert_eq!(p(r#"{"prompt":[5, 99]}"#).unwrap(), vec![Prompt::Ids(vec![5, 99])]);
+        assert_eq!(p(r#"{"prompt":[[5]]}"#).unwrap(), vec![Prompt::Ids(vec![5])]);
+        assert_eq!(p(r#"{"prompt":["a","b"]}"#).unwrap(), vec![Prompt::Text("a".into()), Prompt::Text("b".into())]);
+        assert_eq!(p(r#"{"prompt":[[1],"b"]}"#).unwrap(), vec![Prompt::Ids(vec![1]), Prompt::Text("b".into())]);
+        for body in [r#"{"prompt":[100]}"#, r#"{"prompt":[-1]}"#, r#"{"prompt":[1.5]}"#, r#"{"prompt":7}"#, r#"{}"#, r#"{"prompt":[]}"#, r#"{"prompt":[1,"a"]}"#, r#"{"prompt":[[1],[200]]}"#, r#"{"prompt":"a","messages":[]}"#] {
             let e = p(body).unwrap_err();
             assert!(e.param.as_deref() == Some("prompt") || e.param.as_deref() == Some("messages"), "{body}: {e:?}");
         }
-        assert!(p(r#"{"prompt":[[1],[2]]}"#).unwrap_err().message.contains("batches"));
-        assert!(!p(r#"{"prompt":[1,"a"]}"#).unwrap_err().message.contains("batches"));
+        let many = format!(r#"{{"prompt":{}}}"#, serde_json::json!(vec!["a"; MAX_CHOICES + 1]));
+        assert!(p(&many).unwrap_err().message.contains("at most 16"));
         assert!(p(r#"{"prompt":[100]}"#).unwrap_err().message.contains("[0, 100)"));
     }
 }

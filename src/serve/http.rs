@@ -20,7 +20,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use crate::model::loader::Target;
-use crate::serve::api::{parse, ApiError, Decoding, DetokenizeRequest, Prompt, Request as ApiRequest, TokenizeRequest};
+use crate::serve::api::{parse, ApiError, Decoding, DetokenizeRequest, Prompt, Request as ApiRequest, TokenizeRequest, MAX_CHOICES};
 use crate::serve::engine::{EngineHandle, Event, Job, Refused, Summary, TokenLogprob};
 
 /// The page at `/`: one self-contained file (no framework, no CDN).
@@ -34,6 +34,8 @@ pub struct AppState {
     pub model_name: String,
     pub api_key: Option<String>,
     pub drafter: Option<String>,
+    /// Requests the engine's queue holds (`--queue`): a request's choices must fit in it.
+    pub queue: usize,
     pub started: u64,
     pub next_id: AtomicU64,
 }
@@ -180,7 +182,7 @@ async fn chat(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
     })
     .await;
     match parsed {
-        Ok((ids, d)) => answer(&s, Kind::Chat, ids, d).await,
+        Ok((ids, d)) => answer(&s, Kind::Chat, vec![ids], d).await,
         Err(e) => e.into_response(),
     }
 }
@@ -190,10 +192,17 @@ async fn completions(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
     let parsed = blocking(move || {
         let req: ApiRequest = parse(&body)?;
         let d = req.decoding(&st.model_name, false)?;
-        let ids = match req.prompt(st.target.model.config().vocab_size)? {
-            Prompt::Text(text) => st.target.tokenizer.encode(&text, true).map_err(|e| ApiError::invalid(Some("prompt"), e.to_string()))?,
-            Prompt::Ids(ids) => ids,
-        };
+        let prompts = req.prompt(st.target.model.config().vocab_size)?;
+        let ids = prompts
+            .into_iter()
+            .map(|p| match p {
+                Prompt::Text(text) => st.target.tokenizer.encode(&text, true).map_err(|e| ApiError::invalid(Some("prompt"), e.to_string())),
+                Prompt::Ids(ids) => Ok(ids),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        if ids.len() * d.n > MAX_CHOICES {
+            return Err(ApiError::invalid(Some("n"), format!("{} prompts x n = {} asks for {} choices; at most {MAX_CHOICES} a request", ids.len(), d.n, ids.len() * d.n)));
+        }
         Ok((ids, d))
     })
     .await;
@@ -252,35 +261,48 @@ async fn tokenizer_info(State(s): State<Arc<AppState>>) -> Json<Value> {
 }
 
 /// Queue the request and answer it, whole or streamed.
-async fn answer(s: &Arc<AppState>, kind: Kind, ids: Vec<u32>, d: Decoding) -> Response {
+async fn answer(s: &Arc<AppState>, kind: Kind, prompts: Vec<Vec<u32>>, d: Decoding) -> Response {
     let context = s.target.model.config().max_position;
     let param = if kind == Kind::Chat { "messages" } else { "prompt" };
-    if ids.is_empty() {
-        return ApiError::invalid(Some(param), "the prompt is empty").into_response();
-    }
-    if ids.len() >= context {
-        return ApiError { status: 400, message: format!("the prompt is {} tokens; this model's context is {context}", ids.len()), kind: "invalid_request_error", param: Some(param.into()), code: Some("context_length_exceeded") }.into_response();
-    }
-    let prompt_tokens = ids.len();
-    let seed = d.seed.unwrap_or_else(|| now() ^ s.next_id.load(Ordering::Relaxed).wrapping_mul(0x9E37_79B9_7F4A_7C15));
-    let (tx, rx) = unbounded_channel();
-    let job = Job { prompt: ids, params: d.params.clone(), max_tokens: d.max_tokens, seed, stop: d.stop.clone(), ignore_eos: d.ignore_eos, logprobs: d.logprobs, echo: d.echo, events: tx };
-    match s.engine.submit(job) {
-        Ok(()) => {}
-        Err(Refused::Full) => {
-            let mut r = ApiError { status: 503, message: "the server is at capacity; try again shortly".into(), kind: "server_error", param: None, code: Some("server_busy") }.into_response();
-            r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-            return r;
+    for (i, ids) in prompts.iter().enumerate() {
+        let which = if prompts.len() > 1 { format!("prompt {i}") } else { "the prompt".into() };
+        if ids.is_empty() {
+            return ApiError::invalid(Some(param), format!("{which} is empty")).into_response();
         }
-        Err(Refused::Stopped) => return ApiError::server(503, "the server is shutting down").into_response(),
+        if ids.len() >= context {
+            return ApiError { status: 400, message: format!("{which} is {} tokens; this model's context is {context}", ids.len()), kind: "invalid_request_error", param: Some(param.into()), code: Some("context_length_exceeded") }.into_response();
+        }
+    }
+    let choices = prompts.len() * d.n;
+    if choices > s.queue {
+        return ApiError::invalid(Some("n"), format!("{choices} choices (prompts x n) are more than this server queues at once (--queue {})", s.queue)).into_response();
+    }
+    let prompt_tokens = prompts.iter().map(Vec::len).sum();
+    let seed = d.seed.unwrap_or_else(|| now() ^ s.next_id.load(Ordering::Relaxed).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    // Choice k = prompt k / n, its (k % n)-th sample, seeded seed + k (OpenAI's order: a
+    // prompt's n choices side by side). Each is a sequence of its own in the engine; if the
+    // queue cannot take them all, the ones queued are dropped (their receivers with them).
+    let mut receivers = Vec::with_capacity(prompts.len() * d.n);
+    for (k, ids) in prompts.iter().flat_map(|p| std::iter::repeat_n(p, d.n)).enumerate() {
+        let (tx, rx) = unbounded_channel();
+        let job = Job { prompt: ids.clone(), params: d.params.clone(), max_tokens: d.max_tokens, seed: seed.wrapping_add(k as u64), stop: d.stop.clone(), ignore_eos: d.ignore_eos, logprobs: d.logprobs, echo: d.echo, events: tx };
+        match s.engine.submit(job) {
+            Ok(()) => receivers.push(rx),
+            Err(Refused::Full) => {
+                let mut r = ApiError { status: 503, message: "the server is at capacity; try again shortly".into(), kind: "server_error", param: None, code: Some("server_busy") }.into_response();
+                r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+                return r;
+            }
+            Err(Refused::Stopped) => return ApiError::server(503, "the server is shutting down").into_response(),
+        }
     }
     let id = format!("{}-{}", if kind == Kind::Chat { "chatcmpl" } else { "cmpl" }, s.next_id.fetch_add(1, Ordering::Relaxed));
     let meta = Meta { id, created: now(), model: s.model_name.clone(), kind };
     let logprobs = d.logprobs.is_some();
     if d.stream {
-        stream(meta, rx, &d, prompt_tokens).into_response()
+        stream(meta, receivers, &d, prompt_tokens).into_response()
     } else {
-        whole(meta, rx, logprobs).await
+        whole(meta, receivers, logprobs, prompt_tokens).await
     }
 }
 
@@ -301,8 +323,21 @@ impl Meta {
     }
 }
 
-fn usage(sum: &Summary) -> Value {
-    json!({"prompt_tokens": sum.prompt_tokens, "completion_tokens": sum.completion_tokens, "total_tokens": sum.prompt_tokens + sum.completion_tokens})
+/// OpenAI's usage for a request's choices: each prompt's tokens once, every choice's answer.
+fn usage(prompt_tokens: usize, sums: &[Summary]) -> Value {
+    let completion: usize = sums.iter().map(|s| s.completion_tokens).sum();
+    json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion})
+}
+
+/// The request's extension field over all its choices: τ as answer tokens per target forward
+/// over them all (one choice: its own), their accepted draft tokens and forwards, the first seed.
+fn extension_all(sums: &[Summary]) -> Value {
+    if let [one] = sums {
+        return extension(one);
+    }
+    let forwards: usize = sums.iter().map(|s| s.target_forwards).sum();
+    let weighted: f64 = sums.iter().map(|s| s.tau * s.target_forwards as f64).sum();
+    json!({"tau": if forwards > 0 { weighted / forwards as f64 } else { 1.0 }, "accepted_draft_tokens": sums.iter().map(|s| s.accepted_draft_tokens).sum::<usize>(), "target_forwards": forwards, "seed": sums.first().map_or(0, |s| s.seed)})
 }
 
 /// selfspec's extension field: τ counts the bonus token (plain decoding = 1.0).
@@ -380,44 +415,64 @@ impl Logprobs {
     }
 }
 
-async fn whole(meta: Meta, mut rx: UnboundedReceiver<Event>, logprobs: bool) -> Response {
-    let mut text = String::new();
-    let mut lps = Logprobs { on: logprobs, ..Default::default() };
-    while let Some(ev) = rx.recv().await {
-        match ev {
-            Event::Text { text: t, logprobs, .. } => {
-                lps.entries.extend(logprobs);
-                text.push_str(&t);
+/// Every choice's whole answer, in choice order. The engine decodes them side by side; each
+/// receiver is read to its end in turn.
+async fn whole(meta: Meta, receivers: Vec<UnboundedReceiver<Event>>, logprobs: bool, prompt_tokens: usize) -> Response {
+    let several = receivers.len() > 1;
+    let (mut choices, mut sums) = (Vec::with_capacity(receivers.len()), Vec::with_capacity(receivers.len()));
+    for (index, mut rx) in receivers.into_iter().enumerate() {
+        let mut text = String::new();
+        let mut lps = Logprobs { on: logprobs, ..Default::default() };
+        let sum = loop {
+            match rx.recv().await {
+                Some(Event::Text { text: t, logprobs, .. }) => {
+                    lps.entries.extend(logprobs);
+                    text.push_str(&t);
+                }
+                Some(Event::Failed(e)) => return ApiError::server(500, e).into_response(),
+                Some(Event::Done(sum)) => break sum,
+                None => return ApiError::server(500, "the engine stopped before the answer was complete").into_response(),
             }
-            Event::Failed(e) => return ApiError::server(500, e).into_response(),
-            Event::Done(sum) => {
-                let choice = match meta.kind {
-                    Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": sum.finish_reason, "logprobs": lps.json(meta.kind)}),
-                    Kind::Completion => json!({"index": 0, "text": text, "finish_reason": sum.finish_reason, "logprobs": lps.json(meta.kind)}),
-                };
-                return Json(json!({"id": meta.id, "object": meta.object(false), "created": meta.created, "model": meta.model, "choices": [choice], "usage": usage(&sum), "selfspec": extension(&sum)})).into_response();
-            }
+        };
+        let mut choice = match meta.kind {
+            Kind::Chat => json!({"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": sum.finish_reason, "logprobs": lps.json(meta.kind)}),
+            Kind::Completion => json!({"index": index, "text": text, "finish_reason": sum.finish_reason, "logprobs": lps.json(meta.kind)}),
+        };
+        if several {
+            choice["selfspec"] = extension(&sum);
         }
+        choices.push(choice);
+        sums.push(sum);
     }
-    ApiError::server(500, "the engine stopped before the answer was complete").into_response()
+    Json(json!({"id": meta.id, "object": meta.object(false), "created": meta.created, "model": meta.model, "choices": choices, "usage": usage(prompt_tokens, &sums), "selfspec": extension_all(&sums)})).into_response()
 }
 
-/// Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`. A task forwards the
-/// engine's events and drops them (so the engine ends the sequence) when the client is gone.
+/// Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`: each chunk one
+/// choice's (by `index`), the choices interleaved as the engine emits them. A task forwards the
+/// engine's events and drops them (so the engine ends the sequences) when the client is gone.
 /// With `stream_options.include_usage` every chunk carries `"usage": null` and a last chunk
 /// with no choices the usage; with vLLM's `continuous_usage_stats` too, every chunk the usage
 /// so far.
-fn stream(meta: Meta, mut rx: UnboundedReceiver<Event>, d: &Decoding, prompt_tokens: usize) -> impl IntoResponse {
+fn stream(meta: Meta, receivers: Vec<UnboundedReceiver<Event>>, d: &Decoding, prompt_tokens: usize) -> impl IntoResponse {
     let (tx, out) = unbounded_channel::<Result<SseEvent, Infallible>>();
     let (include_usage, continuous) = (d.include_usage, d.include_usage && d.continuous_usage);
     let logprobs = d.logprobs.is_some();
+    let choices = receivers.len();
+    let mut events = tokio_stream::StreamMap::new();
+    for (index, rx) in receivers.into_iter().enumerate() {
+        events.insert(index, UnboundedReceiverStream::new(rx));
+    }
     tokio::spawn(async move {
+        use tokio_stream::StreamExt;
         let mut completion_tokens = 0;
-        let mut offset = 0;
-        let chunk = |delta: Value, finish: Option<&str>, extra: Option<Value>, done: usize, lps: &Logprobs| -> SseEvent {
+        let mut offsets = vec![0usize; choices];
+        // Tokens sent per choice, so a choice's end can settle its count to its usage.
+        let mut counted = vec![0usize; choices];
+        let mut sums: Vec<Option<Summary>> = vec![None; choices];
+        let chunk = |index: usize, delta: Value, finish: Option<&str>, extra: Option<Value>, done: usize, lps: &Logprobs| -> SseEvent {
             let choice = match meta.kind {
-                Kind::Chat => json!({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lps.json(meta.kind)}),
-                Kind::Completion => json!({"index": 0, "text": delta.get("content").cloned().unwrap_or(json!("")), "finish_reason": finish, "logprobs": lps.json(meta.kind)}),
+                Kind::Chat => json!({"index": index, "delta": delta, "finish_reason": finish, "logprobs": lps.json(meta.kind)}),
+                Kind::Completion => json!({"index": index, "text": delta.get("content").cloned().unwrap_or(json!("")), "finish_reason": finish, "logprobs": lps.json(meta.kind)}),
             };
             let mut v = json!({"id": meta.id, "object": meta.object(true), "created": meta.created, "model": meta.model, "choices": [choice]});
             if continuous {
@@ -431,38 +486,48 @@ fn stream(meta: Meta, mut rx: UnboundedReceiver<Event>, d: &Decoding, prompt_tok
             SseEvent::default().data(v.to_string())
         };
         if meta.kind == Kind::Chat {
-            let _ = tx.send(Ok(chunk(json!({"role": "assistant", "content": ""}), None, None, 0, &Logprobs::default())));
+            for index in 0..choices {
+                let _ = tx.send(Ok(chunk(index, json!({"role": "assistant", "content": ""}), None, None, 0, &Logprobs::default())));
+            }
         }
         loop {
-            let ev = tokio::select! {
-                ev = rx.recv() => ev,
+            let next = tokio::select! {
+                next = events.next() => next,
                 _ = tx.closed() => return,
             };
-            let Some(ev) = ev else { break };
+            // The map drops a receiver once it ends; with every choice done it is empty.
+            let Some((index, ev)) = next else { break };
             let sent = match ev {
                 Event::Text { text, tokens, logprobs: entries } => {
                     completion_tokens += tokens.len();
+                    counted[index] += tokens.len();
                     let marks: Vec<Value> = tokens.iter().map(|&(id, d)| json!([id, d])).collect();
-                    let lps = Logprobs { on: logprobs, entries, offset };
-                    offset = lps.end();
-                    tx.send(Ok(chunk(json!({"content": text}), None, Some(json!({"tokens": marks})), completion_tokens, &lps)))
+                    let lps = Logprobs { on: logprobs, entries, offset: offsets[index] };
+                    offsets[index] = lps.end();
+                    tx.send(Ok(chunk(index, json!({"content": text}), None, Some(json!({"tokens": marks})), completion_tokens, &lps)))
                 }
                 Event::Failed(e) => {
                     let _ = tx.send(Ok(SseEvent::default().data(ApiError::server(500, e).body().to_string())));
-                    break;
+                    return;
                 }
                 Event::Done(sum) => {
-                    let _ = tx.send(Ok(chunk(json!({}), Some(sum.finish_reason), Some(extension(&sum)), sum.completion_tokens, &Logprobs::default())));
-                    if include_usage {
-                        let v = json!({"id": meta.id, "object": meta.object(true), "created": meta.created, "model": meta.model, "choices": [], "usage": usage(&sum), "selfspec": extension(&sum)});
-                        let _ = tx.send(Ok(SseEvent::default().data(v.to_string())));
-                    }
-                    break;
+                    completion_tokens = completion_tokens + sum.completion_tokens - counted[index].min(completion_tokens);
+                    let sent = tx.send(Ok(chunk(index, json!({}), Some(sum.finish_reason), Some(extension(&sum)), completion_tokens, &Logprobs::default())));
+                    sums[index] = Some(sum);
+                    sent
                 }
             };
             if sent.is_err() {
                 return;
             }
+        }
+        let Some(sums) = sums.into_iter().collect::<Option<Vec<Summary>>>() else {
+            let _ = tx.send(Ok(SseEvent::default().data(ApiError::server(500, "the engine stopped before the answer was complete").body().to_string())));
+            return;
+        };
+        if include_usage {
+            let v = json!({"id": meta.id, "object": meta.object(true), "created": meta.created, "model": meta.model, "choices": [], "usage": usage(prompt_tokens, &sums), "selfspec": extension_all(&sums)});
+            let _ = tx.send(Ok(SseEvent::default().data(v.to_string())));
         }
         let _ = tx.send(Ok(SseEvent::default().data("[DONE]")));
     });

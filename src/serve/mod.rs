@@ -66,6 +66,7 @@ pub fn prepare(target: Target, drafter: Option<Drafter>, datastore: Option<Datas
         model_name: cfg.model_name.clone(),
         api_key: cfg.api_key.clone(),
         drafter: cfg.drafter_path.clone(),
+        queue: cfg.queue,
         started: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
         next_id: AtomicU64::new(1),
     });
