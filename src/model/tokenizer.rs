@@ -12,6 +12,9 @@ use crate::{Error, Result};
 /// A tokenizer plus the special ids decoding needs.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// Whether pieces are GPT-2 byte-level (a `ByteLevel` decoder, alone or in a sequence):
+    /// how [`Tokenizer::token_bytes`] reads them.
+    byte_level: bool,
     pub bos_id: Option<u32>,
     /// Any of these ends generation.
     pub eos_ids: Vec<u32>,
@@ -55,6 +58,12 @@ impl Tokenizer {
         self.inner.decode(ids, true).map_err(|e| Error::Tokenizer(e.to_string()))
     }
 
+    /// `decode` with the special tokens written out (`<|im_start|>`): the text of a prompt given
+    /// as ids, as a server echoes it.
+    pub fn decode_with_special(&self, ids: &[u32]) -> Result<String> {
+        self.inner.decode(ids, false).map_err(|e| Error::Tokenizer(e.to_string()))
+    }
+
     /// One token's own bytes, and its text (those bytes as UTF-8, U+FFFD where the token holds
     /// only part of a character): what an API lists per token beside its log-probability. Read
     /// from the vocabulary piece, not by decoding the token alone (which drops a SentencePiece
@@ -65,9 +74,7 @@ impl Tokenizer {
         let Some(piece) = self.inner.id_to_token(id) else {
             return Err(Error::InvalidArgument(format!("token id {id} is outside the vocabulary ({} tokens)", self.vocab_size())));
         };
-        // A byte-level vocabulary writes the space byte as U+0120 ("Ġ"); some tokenizer.json
-        // files put the ByteLevel decoder inside a sequence of decoders.
-        let byte_level = matches!(self.inner.get_decoder(), Some(tokenizers::DecoderWrapper::ByteLevel(_))) || self.inner.token_to_id("\u{0120}").is_some();
+        let byte_level = self.byte_level;
         let byte = piece.strip_prefix("<0x").and_then(|h| h.strip_suffix('>')).filter(|h| h.len() == 2).and_then(|h| u8::from_str_radix(h, 16).ok());
         let bytes = match (byte_level, byte) {
             // Added tokens of a byte-level vocabulary are stored as text: one outside the
@@ -108,6 +115,7 @@ impl Tokenizer {
         let mut eos_ids: Vec<u32> = eos.iter().filter_map(|e| inner.token_to_id(e)).collect();
         add_chat_stops(&inner, &mut eos_ids);
         Ok(Tokenizer {
+            byte_level: byte_level_decoder(&inner),
             bos_token: bos.unwrap_or_default(),
             eos_token: eos.first().cloned().unwrap_or_default(),
             inner,
@@ -241,6 +249,7 @@ impl Tokenizer {
         let mut eos_ids: Vec<u32> = eos_id.into_iter().collect();
         add_chat_stops(&inner, &mut eos_ids);
         Ok(Tokenizer {
+            byte_level: byte_level_decoder(&inner),
             bos_token: name(bos_id),
             eos_token: name(eos_id),
             inner,
@@ -304,6 +313,19 @@ fn add_chat_stops(inner: &tokenizers::Tokenizer, eos: &mut Vec<u32>) {
             }
         }
     }
+}
+
+/// Whether `t` decodes GPT-2 byte-level pieces: a `ByteLevel` decoder, alone or anywhere in a
+/// sequence of decoders (read from its serialised form, which names every step's type).
+fn byte_level_decoder(t: &tokenizers::Tokenizer) -> bool {
+    fn has(v: &serde_json::Value) -> bool {
+        match v {
+            serde_json::Value::Object(o) => o.get("type").is_some_and(|t| t == "ByteLevel") || o.values().any(has),
+            serde_json::Value::Array(a) => a.iter().any(has),
+            _ => false,
+        }
+    }
+    t.get_decoder().and_then(|d| serde_json::to_value(d).ok()).is_some_and(|v| has(&v))
 }
 
 /// The byte GPT-2's byte-level BPE writes as `c`: printable Latin-1 bytes stand for

@@ -146,7 +146,7 @@ pub fn asks_for_nothing(key: &str, v: &Value) -> bool {
 pub const DEFAULT_MAX_TOKENS: u64 = 512;
 /// Choices a request may ask for at most, over its prompts (`n` for each): each is a sequence
 /// of its own in the engine's queue.
-pub const MAX_CHOICES: usize = 16;
+pub const MAX_CHOICES: usize = 64;
 /// Stop strings at most, and their length at most (OpenAI allows 4).
 pub const MAX_STOPS: usize = 4;
 pub const MAX_STOP_LEN: usize = 256;
@@ -548,7 +548,7 @@ mod tests {
         assert_eq!((d.params.temperature, d.max_tokens as u64), (1.0, DEFAULT_MAX_TOKENS), "OpenAI's defaults");
         for (body, param, status) in [
             (serde_json::json!({"model": "m", "n": 0}), "n", 400),
-            (serde_json::json!({"model": "m", "n": 17}), "n", 400),
+            (serde_json::json!({"model": "m", "n": 65}), "n", 400),
             (serde_json::json!({"model": "m", "tools": [{"type": "function"}]}), "tools", 400),
             (serde_json::json!({"model": "m", "logit_bias": {"1": 2}}), "logit_bias", 400),
             (serde_json::json!({"model": "m", "echo": true}), "echo", 400),
@@ -634,7 +634,7 @@ mod tests {
             assert!(e.param.as_deref() == Some("prompt") || e.param.as_deref() == Some("messages"), "{body}: {e:?}");
         }
         let many = format!(r#"{{"prompt":{}}}"#, serde_json::json!(vec!["a"; MAX_CHOICES + 1]));
-        assert!(p(&many).unwrap_err().message.contains("at most 16"));
+        assert!(p(&many).unwrap_err().message.contains("at most 64"));
         assert!(p(r#"{"prompt":[100]}"#).unwrap_err().message.contains("[0, 100)"));
     }
 }

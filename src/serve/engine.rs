@@ -49,9 +49,9 @@ pub struct Job {
     pub ignore_eos: bool,
     /// Each answer token's log-probability with this many alternatives (`None`: not asked).
     pub logprobs: Option<usize>,
-    /// Send the prompt back first (completions' `echo`), with its tokens' log-probabilities
-    /// when `logprobs` asks for them.
-    pub echo: bool,
+    /// Send this text back first (completions' `echo`: the prompt), with the prompt tokens'
+    /// log-probabilities when `logprobs` asks for them.
+    pub echo: Option<String>,
     pub events: UnboundedSender<Event>,
 }
 
@@ -169,6 +169,8 @@ pub struct EngineConfig {
 #[derive(Clone)]
 pub struct EngineHandle {
     tx: SyncSender<Job>,
+    /// The queue's size (`--queue`): jobs waiting at most.
+    capacity: usize,
     pub metrics: Arc<Metrics>,
     running: Arc<std::sync::atomic::AtomicBool>,
 }
@@ -194,19 +196,27 @@ impl EngineHandle {
         self.running.load(Ordering::SeqCst)
     }
 
-    pub fn submit(&self, job: Job) -> std::result::Result<(), Refused> {
-        self.metrics.queue_depth.fetch_add(1, Ordering::SeqCst);
-        match self.tx.try_send(job) {
-            Ok(()) => Ok(()),
-            Err(e) => {
-                self.metrics.queue_depth.fetch_sub(1, Ordering::SeqCst);
+    /// Queue a request's jobs (its choices) all or none: their places are reserved together
+    /// first, so a request never leaves some of its choices queued after being refused.
+    pub fn submit_all(&self, jobs: Vec<Job>) -> std::result::Result<(), Refused> {
+        let n = jobs.len();
+        let depth = &self.metrics.queue_depth;
+        if depth.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |d| (d + n <= self.capacity).then_some(d + n)).is_err() {
+            self.metrics.requests_rejected.fetch_add(1, Ordering::Relaxed);
+            return Err(Refused::Full);
+        }
+        for (i, job) in jobs.into_iter().enumerate() {
+            if let Err(e) = self.tx.try_send(job) {
+                // Only a stopped engine (or a place taken by a submitter that did not reserve).
+                depth.fetch_sub(n - i, Ordering::SeqCst);
                 self.metrics.requests_rejected.fetch_add(1, Ordering::Relaxed);
-                Err(match e {
+                return Err(match e {
                     TrySendError::Full(_) => Refused::Full,
                     TrySendError::Disconnected(_) => Refused::Stopped,
-                })
+                });
             }
         }
+        Ok(())
     }
 }
 
@@ -216,6 +226,7 @@ pub fn start(target: Arc<Target>, drafter: Option<Arc<Drafter>>, datastore: Opti
     if cfg.max_batch == 0 || cfg.queue == 0 {
         return Err(Error::InvalidArgument("--max-batch and --queue must be at least 1".into()));
     }
+    let cfg_queue = cfg.queue;
     let (tx, rx) = std::sync::mpsc::sync_channel::<Job>(cfg.queue);
     let metrics = Arc::new(Metrics::default());
     let m = metrics.clone();
@@ -228,7 +239,7 @@ pub fn start(target: Arc<Target>, drafter: Option<Arc<Drafter>>, datastore: Opti
             run(&target, drafter.as_deref(), datastore.as_deref(), &cfg, rx, &m)
         })
         .map_err(|e| Error::InvalidArgument(format!("cannot start the engine thread: {e}")))?;
-    Ok((EngineHandle { tx, metrics, running }, thread))
+    Ok((EngineHandle { tx, capacity: cfg_queue, metrics, running }, thread))
 }
 
 /// A sequence in flight and what its request needs besides.
@@ -310,13 +321,13 @@ fn run(target: &Target, drafter: Option<&Drafter>, datastore: Option<&Datastore>
             };
             match catching(|| Sequence::new(model, drafter, &job.prompt, opts, rng(job.seed))) {
                 Ok(seq) => {
-                    let seq = match (job.logprobs, job.echo) {
+                    let seq = match (job.logprobs, job.echo.is_some()) {
                         (Some(top), true) => seq.with_logprobs(top).with_prompt_logprobs(top),
                         (Some(top), false) => seq.with_logprobs(top),
                         (None, _) => seq,
                     };
                     let stop = StopMatch::new(job.stop.clone());
-                    let echoed = !job.echo;
+                    let echoed = job.echo.is_none();
                     active.push(Active { seq, job, tok: &target.tokenizer, text: TextStream::new(&target.tokenizer), stop, sent_tokens: 0, answer_tokens: 0, flushed: false, echoed, failed: false });
                 }
                 Err(e) => {
@@ -576,16 +587,9 @@ fn deliver(a: &mut Active, m: &Metrics) {
     // The prompt first, once it has been read (the first token follows its last row).
     if !a.echoed && !a.seq.output().is_empty() {
         a.echoed = true;
-        match a.tok.decode(&a.job.prompt) {
-            Ok(text) => {
-                let logprobs = TokenLogprob::prompt(a.tok, &a.job.prompt, a.seq.prompt_logprobs());
-                let _ = a.job.events.send(Event::Text { text, tokens: Vec::new(), logprobs });
-            }
-            Err(e) => {
-                a.fail(e);
-                return;
-            }
-        }
+        let text = a.job.echo.clone().unwrap_or_default();
+        let logprobs = TokenLogprob::prompt(a.tok, &a.job.prompt, a.seq.prompt_logprobs());
+        let _ = a.job.events.send(Event::Text { text, tokens: Vec::new(), logprobs });
     }
     let out = a.seq.output().to_vec();
     let eos = a.seq.ended_on_eos() && a.seq.is_done();

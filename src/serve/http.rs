@@ -182,7 +182,7 @@ async fn chat(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
     })
     .await;
     match parsed {
-        Ok((ids, d)) => answer(&s, Kind::Chat, vec![ids], d).await,
+        Ok((ids, d)) => answer(&s, Kind::Chat, vec![ids], vec![None], d).await,
         Err(e) => e.into_response(),
     }
 }
@@ -193,21 +193,28 @@ async fn completions(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
         let req: ApiRequest = parse(&body)?;
         let d = req.decoding(&st.model_name, false)?;
         let prompts = req.prompt(st.target.model.config().vocab_size)?;
-        let ids = prompts
-            .into_iter()
-            .map(|p| match p {
-                Prompt::Text(text) => st.target.tokenizer.encode(&text, true).map_err(|e| ApiError::invalid(Some("prompt"), e.to_string())),
-                Prompt::Ids(ids) => Ok(ids),
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        let tok = &st.target.tokenizer;
+        let bad = |e: crate::Error| ApiError::invalid(Some("prompt"), e.to_string());
+        let (mut ids, mut echoes) = (Vec::with_capacity(prompts.len()), Vec::with_capacity(prompts.len()));
+        for p in prompts {
+            let (i, text) = match p {
+                Prompt::Text(text) => (tok.encode(&text, true).map_err(bad)?, text),
+                Prompt::Ids(i) => {
+                    let text = if d.echo { tok.decode_with_special(&i).map_err(bad)? } else { String::new() };
+                    (i, text)
+                }
+            };
+            ids.push(i);
+            echoes.push(d.echo.then_some(text));
+        }
         if ids.len() * d.n > MAX_CHOICES {
             return Err(ApiError::invalid(Some("n"), format!("{} prompts x n = {} asks for {} choices; at most {MAX_CHOICES} a request", ids.len(), d.n, ids.len() * d.n)));
         }
-        Ok((ids, d))
+        Ok((ids, echoes, d))
     })
     .await;
     match parsed {
-        Ok((ids, d)) => answer(&s, Kind::Completion, ids, d).await,
+        Ok((ids, echoes, d)) => answer(&s, Kind::Completion, ids, echoes, d).await,
         Err(e) => e.into_response(),
     }
 }
@@ -261,7 +268,9 @@ async fn tokenizer_info(State(s): State<Arc<AppState>>) -> Json<Value> {
 }
 
 /// Queue the request and answer it, whole or streamed.
-async fn answer(s: &Arc<AppState>, kind: Kind, prompts: Vec<Vec<u32>>, d: Decoding) -> Response {
+/// `prompts` with, when `echo` asks, the text each echoes (the request's own string, or its ids
+/// decoded with the special tokens kept).
+async fn answer(s: &Arc<AppState>, kind: Kind, prompts: Vec<Vec<u32>>, echoes: Vec<Option<String>>, d: Decoding) -> Response {
     let context = s.target.model.config().max_position;
     let param = if kind == Kind::Chat { "messages" } else { "prompt" };
     for (i, ids) in prompts.iter().enumerate() {
@@ -280,21 +289,22 @@ async fn answer(s: &Arc<AppState>, kind: Kind, prompts: Vec<Vec<u32>>, d: Decodi
     let prompt_tokens = prompts.iter().map(Vec::len).sum();
     let seed = d.seed.unwrap_or_else(|| now() ^ s.next_id.load(Ordering::Relaxed).wrapping_mul(0x9E37_79B9_7F4A_7C15));
     // Choice k = prompt k / n, its (k % n)-th sample, seeded seed + k (OpenAI's order: a
-    // prompt's n choices side by side). Each is a sequence of its own in the engine; if the
-    // queue cannot take them all, the ones queued are dropped (their receivers with them).
-    let mut receivers = Vec::with_capacity(prompts.len() * d.n);
-    for (k, ids) in prompts.iter().flat_map(|p| std::iter::repeat_n(p, d.n)).enumerate() {
+    // prompt's n choices side by side). Each is a sequence of its own in the engine, queued
+    // all together or not at all.
+    let (mut jobs, mut receivers) = (Vec::with_capacity(choices), Vec::with_capacity(choices));
+    for (k, (ids, echo)) in prompts.iter().zip(&echoes).flat_map(|p| std::iter::repeat_n(p, d.n)).enumerate() {
         let (tx, rx) = unbounded_channel();
-        let job = Job { prompt: ids.clone(), params: d.params.clone(), max_tokens: d.max_tokens, seed: seed.wrapping_add(k as u64), stop: d.stop.clone(), ignore_eos: d.ignore_eos, logprobs: d.logprobs, echo: d.echo, events: tx };
-        match s.engine.submit(job) {
-            Ok(()) => receivers.push(rx),
-            Err(Refused::Full) => {
-                let mut r = ApiError { status: 503, message: "the server is at capacity; try again shortly".into(), kind: "server_error", param: None, code: Some("server_busy") }.into_response();
-                r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-                return r;
-            }
-            Err(Refused::Stopped) => return ApiError::server(503, "the server is shutting down").into_response(),
+        jobs.push(Job { prompt: ids.clone(), params: d.params.clone(), max_tokens: d.max_tokens, seed: seed.wrapping_add(k as u64), stop: d.stop.clone(), ignore_eos: d.ignore_eos, logprobs: d.logprobs, echo: echo.clone(), events: tx });
+        receivers.push(rx);
+    }
+    match s.engine.submit_all(jobs) {
+        Ok(()) => {}
+        Err(Refused::Full) => {
+            let mut r = ApiError { status: 503, message: "the server is at capacity; try again shortly".into(), kind: "server_error", param: None, code: Some("server_busy") }.into_response();
+            r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            return r;
         }
+        Err(Refused::Stopped) => return ApiError::server(503, "the server is shutting down").into_response(),
     }
     let id = format!("{}-{}", if kind == Kind::Chat { "chatcmpl" } else { "cmpl" }, s.next_id.fetch_add(1, Ordering::Relaxed));
     let meta = Meta { id, created: now(), model: s.model_name.clone(), kind };
@@ -508,6 +518,7 @@ fn stream(meta: Meta, receivers: Vec<UnboundedReceiver<Event>>, d: &Decoding, pr
                 }
                 Event::Failed(e) => {
                     let _ = tx.send(Ok(SseEvent::default().data(ApiError::server(500, e).body().to_string())));
+                    let _ = tx.send(Ok(SseEvent::default().data("[DONE]")));
                     return;
                 }
                 Event::Done(sum) => {
@@ -523,6 +534,7 @@ fn stream(meta: Meta, receivers: Vec<UnboundedReceiver<Event>>, d: &Decoding, pr
         }
         let Some(sums) = sums.into_iter().collect::<Option<Vec<Summary>>>() else {
             let _ = tx.send(Ok(SseEvent::default().data(ApiError::server(500, "the engine stopped before the answer was complete").body().to_string())));
+            let _ = tx.send(Ok(SseEvent::default().data("[DONE]")));
             return;
         };
         if include_usage {
