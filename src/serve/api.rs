@@ -216,13 +216,10 @@ impl Request {
             };
             return Err(ApiError::invalid(Some(k), format!("{k}: {what}")));
         }
-        match self.model.as_deref() {
-            None => return Err(ApiError::invalid(Some("model"), format!("model is required (this server serves '{served}')"))),
-            Some(m) if m != served => {
-                return Err(ApiError { status: 404, message: format!("the model '{m}' does not exist (this server serves '{served}')"), kind: "invalid_request_error", param: Some("model".into()), code: Some("model_not_found") });
-            }
-            Some(_) => {}
+        if self.model.is_none() {
+            return Err(ApiError::invalid(Some("model"), format!("model is required (this server serves '{served}')")));
         }
+        check_model(self.model.as_deref(), served)?;
         let n = match self.n.unwrap_or(1) {
             n if (1..=MAX_CHOICES as u64).contains(&n) => n as usize,
             n => return Err(ApiError::invalid(Some("n"), format!("n = {n}: from 1 to {MAX_CHOICES} choices a request"))),
