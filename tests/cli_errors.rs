@@ -108,6 +108,8 @@ fn bad_arguments() {
     std::fs::write(&long_text, "the cat sat on the mat and the dog ran in the park ".repeat(20)).unwrap();
     let (code, out, err) = run(&["perplexity", "--model", m, "-f", long_text.to_str().unwrap(), "--ctx", "16", "--chunks", "3"]);
     assert!(code == 0 && out.contains("[3]") && out.contains("Final estimate: PPL = "), "{out} {err}");
+    let (code, out, err) = run(&["perplexity", "--model", m, "-f", long_text.to_str().unwrap(), "--ctx", "16", "--chunks", "2", "--weights", "native", "--compare", "f32"]);
+    assert!(code == 0 && out.contains("Against f32: PPL(f32) = ") && out.contains("mean KLD"), "{out} {err}");
     // bench times every format by default.
     let (code, out, err) = run(&["bench", "--model", m, "--context", "8", "--tokens", "1,2", "--reps", "1"]);
     assert_eq!(code, 0, "{err}");

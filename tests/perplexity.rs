@@ -49,3 +49,23 @@ fn perplexity_is_the_mean_nll_of_each_chunks_second_half() {
     assert!(perplexity(&t, &tokens, 8, None, &mut |_, _| {}).is_err());
     assert!(perplexity(&t, &tokens, 1 << 20, None, &mut |_, _| {}).unwrap_err().to_string().contains("past this model's"));
 }
+
+/// Against itself a format diverges by nothing; native against f32 by a little, with PPLs equal
+/// to each format's own `perplexity`.
+#[test]
+fn divergence_from_a_reference_format_is_measured_on_the_same_tokens() {
+    use selfspec::cpu::quant::WeightFormat;
+    use selfspec::eval::perplexity::perplexity_against;
+    use selfspec::model::loader::Target;
+    let load = |w| Target::load_with(&smollm2_path(), &candle_core::Device::Cpu, w).unwrap();
+    let (native, f32) = (load(WeightFormat::Native), load(WeightFormat::F32));
+    let text = "A hash map stores values under keys. It hashes each key to a bucket, and keeps the keys that land in one bucket in a short list. ".repeat(5);
+    let tokens = native.tokenizer.encode(&text, true).unwrap();
+    let (p, same) = perplexity_against(&native, &native, &tokens, 32, Some(3), &mut |_, _| {}).unwrap();
+    assert_eq!((same.mean_kld, same.max_kld, same.same_top, same.reference.ppl), (0.0, 0.0, 1.0, p.ppl));
+    let (p, d) = perplexity_against(&native, &f32, &tokens, 32, Some(3), &mut |_, _| {}).unwrap();
+    assert_eq!(p.ppl, perplexity(&native, &tokens, 32, Some(3), &mut |_, _| {}).unwrap().ppl);
+    assert_eq!(d.reference.ppl, perplexity(&f32, &tokens, 32, Some(3), &mut |_, _| {}).unwrap().ppl);
+    assert!(d.mean_kld > 0.0 && d.mean_kld < 0.05 && d.max_kld >= d.mean_kld, "{d:?}");
+    assert!(d.same_top > 0.8 && d.same_top <= 1.0, "{d:?}");
+}

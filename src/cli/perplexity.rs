@@ -4,7 +4,8 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Args;
-use selfspec::eval::perplexity::{chunks, perplexity, MIN_CTX};
+use selfspec::cpu::quant::WeightFormat;
+use selfspec::eval::perplexity::{chunks, perplexity, perplexity_against, MIN_CTX};
 
 use crate::cli::args::{progress, ModelArgs};
 
@@ -24,6 +25,11 @@ pub struct PerplexityArgs {
     /// Score only the first N chunks (llama-perplexity's --chunks). Default: all.
     #[arg(long)]
     chunks: Option<usize>,
+    /// Also run the model in this weight format (usually f32) on the same chunks and report how
+    /// far --weights' distributions are from it: mean KL divergence and how often both pick the
+    /// same likeliest token (llama-perplexity's --kl-divergence figures, in one run)
+    #[arg(long, value_name = "FORMAT")]
+    compare: Option<WeightFormat>,
     /// Print the result as JSON (with the running PPL after each chunk).
     #[arg(long)]
     json: bool,
@@ -38,20 +44,37 @@ pub fn run(a: PerplexityArgs) -> Result<()> {
     }
     let text = selfspec::files::read_text(&a.file, MAX_TEXT_BYTES, "a text to score")?;
     let target = a.model.load()?;
+    let reference = a.compare.map(|w| a.model.load_as(w)).transpose()?;
     let tokens = target.tokenizer.encode(&text, true)?;
     let n = chunks(tokens.len(), a.ctx, a.chunks).map_err(|e| anyhow::anyhow!("{}: {e}", a.file.display()))?;
     eprintln!("{}: {} tokens, {n} chunks of {} (the second half of each scored), weights {}", a.file.display(), tokens.len(), a.ctx, target.model.weight_format());
     let bar = progress(n as u64, "perplexity");
-    let p = perplexity(&target, &tokens, a.ctx, a.chunks, &mut |_, ppl| {
+    let mut tick = |_, ppl: f64| {
         bar.set_message(format!("PPL {ppl:.4}"));
         bar.inc(1);
-    })?;
+    };
+    let (p, d) = match &reference {
+        Some(r) => perplexity_against(&target, r, &tokens, a.ctx, a.chunks, &mut tick).map(|(p, d)| (p, Some(d)))?,
+        None => (perplexity(&target, &tokens, a.ctx, a.chunks, &mut tick)?, None),
+    };
     bar.finish_and_clear();
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&p)?);
+        println!("{}", serde_json::to_string_pretty(&serde_json::json!({"perplexity": p, "against": d}))?);
     } else {
         println!("{}", p.running.iter().enumerate().map(|(i, x)| format!("[{}]{x:.4}", i + 1)).collect::<Vec<_>>().join(","));
         println!("Final estimate: PPL = {:.4} +/- {:.5} ({} tokens scored in {} chunks of {}; {:.1} s, {:.0} tokens/s)", p.ppl, p.ppl_error, p.scored, p.chunks, p.ctx, p.secs, (p.chunks * p.ctx) as f64 / p.secs);
+        if let (Some(d), Some(w)) = (d, a.compare) {
+            println!(
+                "Against {w}: PPL({w}) = {:.4} +/- {:.5}, mean KLD = {:.6} +/- {:.6} (max {:.4}), same top token {:.2}% of {} positions",
+                d.reference.ppl,
+                d.reference.ppl_error,
+                d.mean_kld,
+                d.kld_error,
+                d.max_kld,
+                100.0 * d.same_top,
+                p.scored
+            );
+        }
     }
     Ok(())
 }

@@ -295,6 +295,22 @@ pub fn token_logprobs(logits: &[f32], token: u32, top: usize) -> TokenLogprobs {
     TokenLogprobs { token, logprob, top: best.into_iter().map(|(i, x)| (i, lp(x))).collect() }
 }
 
+/// The raw log-softmax of a logits row into `out` (f64; -inf where a logit is -inf): what
+/// [`token_logprobs`] reads for one token, for every token (a divergence between two
+/// distributions needs them all).
+pub fn log_softmax_into(logits: &[f32], out: &mut Vec<f64>) {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    out.clear();
+    out.resize(logits.len(), f64::NEG_INFINITY);
+    if max == f64::NEG_INFINITY {
+        return;
+    }
+    let log_z = max + exp_sum(logits, max).ln();
+    for (o, &x) in out.iter_mut().zip(logits) {
+        *o = x as f64 - log_z;
+    }
+}
+
 /// `sum(exp(l[i] - max))`, through [`exp_scaled`]'s vectorised loop a block at a time: a scalar
 /// loop of libm `fma` calls took 1.8 ms a token for SmolLM2's 49,152 logits.
 fn exp_sum(l: &[f32], max: f64) -> f64 {
@@ -331,6 +347,17 @@ pub fn sample_from(p: &[f64], rng: &mut Rng64) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn log_softmax_matches_token_logprobs_for_every_token() {
+        let logits = [1.0f32, 3.0, -2.0, f32::NEG_INFINITY, 0.5];
+        let mut out = Vec::new();
+        log_softmax_into(&logits, &mut out);
+        for (i, &x) in out.iter().enumerate() {
+            assert!((x as f32 - token_logprobs(&logits, i as u32, 0).logprob).abs() < 1e-6 || (x == f64::NEG_INFINITY && i == 3), "{i}: {x}");
+        }
+        assert!((out.iter().map(|x| x.exp()).sum::<f64>() - 1.0).abs() < 1e-12);
+    }
 
     #[test]
     fn logprobs_are_the_raw_log_softmax_with_the_best_first() {

@@ -12,7 +12,7 @@
 use serde::Serialize;
 
 use crate::cpu::reduce::with_rows;
-use crate::decode::sampling::token_logprobs;
+use crate::decode::sampling::log_softmax_into;
 use crate::model::loader::Target;
 use crate::{Error, Result};
 
@@ -48,51 +48,143 @@ pub fn chunks(tokens: usize, ctx: usize, max_chunks: Option<usize>) -> Result<us
     Ok(max_chunks.map_or(tokens / ctx, |m| m.min(tokens / ctx)))
 }
 
+/// How far a weight format's distributions are from a reference format's over the same scored
+/// tokens (llama-perplexity's `--kl-divergence` figures): mean KL(reference ‖ tested) with its
+/// standard error, the largest, and how often both pick the same likeliest token.
+#[derive(Debug, Clone, Serialize)]
+pub struct Divergence {
+    /// The reference's own perplexity over the same tokens.
+    pub reference: Perplexity,
+    pub mean_kld: f64,
+    pub kld_error: f64,
+    pub max_kld: f64,
+    /// Share of scored positions whose argmax is the same in both.
+    pub same_top: f64,
+}
+
+/// Running sums of negative log-likelihoods: PPL and its ± as llama.cpp computes them.
+#[derive(Default)]
+struct Nll {
+    sum: f64,
+    sum2: f64,
+    count: usize,
+}
+
+impl Nll {
+    fn add(&mut self, v: f64) {
+        self.sum += v;
+        self.sum2 += v * v;
+        self.count += 1;
+    }
+    fn ppl(&self) -> f64 {
+        (self.sum / self.count as f64).exp()
+    }
+    /// (mean, standard error of the mean).
+    fn mean_error(&self) -> (f64, f64) {
+        let n = self.count as f64;
+        let mean = self.sum / n;
+        let var = self.sum2 / n - mean * mean;
+        (mean, if var > 0.0 && self.count > 1 { (var / (n - 1.0)).sqrt() } else { 0.0 })
+    }
+    fn report(&self, ctx: usize, chunks: usize, running: Vec<f64>, secs: f64) -> Perplexity {
+        let (mean, se) = self.mean_error();
+        let ppl = mean.exp();
+        Perplexity { ctx, chunks, scored: self.count, ppl, ppl_error: ppl * se, mean_nll: mean, running, secs }
+    }
+}
+
 /// Score `tokens` (a whole text, tokenized with BOS where the model adds one) in chunks of `ctx`;
 /// `on_chunk(i, running_ppl)` after each.
 pub fn perplexity(target: &Target, tokens: &[u32], ctx: usize, max_chunks: Option<usize>, on_chunk: &mut dyn FnMut(usize, f64)) -> Result<Perplexity> {
+    score(target, None, tokens, ctx, max_chunks, on_chunk).map(|(p, _)| p)
+}
+
+/// [`perplexity`] of `target`, and beside it how its distributions depart from `reference`'s
+/// (the same model in another weight format, usually f32) on every scored token.
+pub fn perplexity_against(target: &Target, reference: &Target, tokens: &[u32], ctx: usize, max_chunks: Option<usize>, on_chunk: &mut dyn FnMut(usize, f64)) -> Result<(Perplexity, Divergence)> {
+    let (p, d) = score(target, Some(reference), tokens, ctx, max_chunks, on_chunk)?;
+    Ok((p, d.expect("a reference gives a divergence")))
+}
+
+fn score(target: &Target, reference: Option<&Target>, tokens: &[u32], ctx: usize, max_chunks: Option<usize>, on_chunk: &mut dyn FnMut(usize, f64)) -> Result<(Perplexity, Option<Divergence>)> {
     let context = target.model.config().max_position;
     if ctx > context {
         return Err(Error::InvalidArgument(format!("a context of {ctx} tokens is past this model's {context}")));
+    }
+    if let Some(r) = reference {
+        if r.model.config().vocab_size != target.model.config().vocab_size {
+            return Err(Error::InvalidArgument("the reference is another model (its vocabulary differs)".into()));
+        }
     }
     let n = chunks(tokens.len(), ctx, max_chunks)?;
     let bos = target.tokenizer.bos_id.filter(|_| target.tokenizer.add_bos);
     let first = ctx / 2;
     let t0 = std::time::Instant::now();
-    let (mut nll, mut nll2, mut count) = (0f64, 0f64, 0usize);
-    let mut running = Vec::with_capacity(n);
+    let (mut nll, mut ref_nll, mut kld) = (Nll::default(), Nll::default(), Nll::default());
+    let (mut max_kld, mut same) = (0f64, 0usize);
+    let (mut running, mut ref_running) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    let (mut lt, mut lr) = (Vec::new(), Vec::new());
     for i in 0..n {
         let mut chunk = tokens[i * ctx..(i + 1) * ctx].to_vec();
         if let Some(b) = bos {
             chunk[0] = b;
         }
-        let mut cache = target.model.new_cache()?;
-        let hidden = target.model.forward_causal(&chunk, &mut cache)?;
+        let forward = |t: &Target| -> Result<candle_core::Tensor> { t.model.forward_causal(&chunk, &mut t.model.new_cache()?) };
+        let hidden = forward(target)?;
+        let ref_hidden = reference.map(forward).transpose()?;
         // Row r predicts chunk[r + 1]; rows first .. ctx - 1 are scored.
         let mut r = first;
         while r < ctx - 1 {
             let rows = LOGIT_ROWS.min(ctx - 1 - r);
             let logits = target.model.logits(&hidden.narrow(0, r, rows)?)?;
+            let ref_logits = match (reference, &ref_hidden) {
+                (Some(m), Some(h)) => Some(m.model.logits(&h.narrow(0, r, rows)?)?),
+                _ => None,
+            };
             with_rows(&logits, |row| {
-                for j in 0..rows {
-                    let v = -(token_logprobs(row(j)?, chunk[r + j + 1], 0).logprob as f64);
-                    nll += v;
-                    nll2 += v * v;
-                }
-                Ok(())
+                let Some(rl) = &ref_logits else {
+                    for j in 0..rows {
+                        log_softmax_into(row(j)?, &mut lt);
+                        nll.add(-lt[chunk[r + j + 1] as usize]);
+                    }
+                    return Ok(());
+                };
+                with_rows(rl, |ref_row| {
+                    for j in 0..rows {
+                        let next = chunk[r + j + 1] as usize;
+                        log_softmax_into(row(j)?, &mut lt);
+                        log_softmax_into(ref_row(j)?, &mut lr);
+                        nll.add(-lt[next]);
+                        ref_nll.add(-lr[next]);
+                        // KL(ref || tested) = sum p_ref (log p_ref - log p_tested), over the tokens
+                        // the reference allows.
+                        let d: f64 = lr.iter().zip(&lt).filter(|(a, _)| a.is_finite()).map(|(&a, &b)| a.exp() * (a - b)).sum();
+                        kld.add(d);
+                        max_kld = max_kld.max(d);
+                        same += (argmax(&lt) == argmax(&lr)) as usize;
+                    }
+                    Ok(())
+                })
             })?;
             r += rows;
         }
-        count += ctx - 1 - first;
-        let ppl = (nll / count as f64).exp();
-        running.push(ppl);
-        on_chunk(i, ppl);
+        running.push(nll.ppl());
+        if reference.is_some() {
+            ref_running.push(ref_nll.ppl());
+        }
+        on_chunk(i, nll.ppl());
     }
-    let mean = nll / count as f64;
-    let var = nll2 / count as f64 - mean * mean;
-    let ppl = mean.exp();
-    let ppl_error = if var > 0.0 && count > 1 { ppl * (var / (count - 1) as f64).sqrt() } else { 0.0 };
-    Ok(Perplexity { ctx, chunks: n, scored: count, ppl, ppl_error, mean_nll: mean, running, secs: t0.elapsed().as_secs_f64() })
+    let secs = t0.elapsed().as_secs_f64();
+    let divergence = reference.map(|_| {
+        let (mean_kld, kld_error) = kld.mean_error();
+        Divergence { reference: ref_nll.report(ctx, n, ref_running, secs), mean_kld, kld_error, max_kld, same_top: same as f64 / kld.count as f64 }
+    });
+    Ok((nll.report(ctx, n, running, secs), divergence))
+}
+
+/// The first index of the largest value.
+fn argmax(v: &[f64]) -> usize {
+    v.iter().enumerate().fold((0, f64::NEG_INFINITY), |best, (i, &x)| if x > best.1 { (i, x) } else { best }).0
 }
 
 #[cfg(test)]
