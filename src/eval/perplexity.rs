@@ -62,7 +62,8 @@ pub struct Divergence {
     pub same_top: f64,
 }
 
-/// Running sums of negative log-likelihoods: PPL and its ± as llama.cpp computes them.
+/// Running sums of a per-token figure (a negative log-likelihood, a divergence): its mean and
+/// that mean's standard error, and for likelihoods PPL and its ±, as llama.cpp computes them.
 #[derive(Default)]
 struct Nll {
     sum: f64,

@@ -267,8 +267,8 @@ async fn tokenizer_info(State(s): State<Arc<AppState>>) -> Json<Value> {
     }))
 }
 
-/// Queue the request and answer it, whole or streamed.
-/// `prompts` with, when `echo` asks, the text each echoes (the request's own string, or its ids
+/// Queue a request's choices (`n` for each of `prompts`) and answer them, whole or streamed.
+/// `echoes`: per prompt, the text `echo` sends back (the request's own string, or its ids
 /// decoded with the special tokens kept).
 async fn answer(s: &Arc<AppState>, kind: Kind, prompts: Vec<Vec<u32>>, echoes: Vec<Option<String>>, d: Decoding) -> Response {
     let context = s.target.model.config().max_position;
