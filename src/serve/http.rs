@@ -144,9 +144,9 @@ async fn metrics(State(s): State<Arc<AppState>>) -> impl IntoResponse {
     let mut put = |name: &str, kind: &str, help: &str, v: f64| {
         out.push_str(&format!("# HELP selfspec_{name} {help}\n# TYPE selfspec_{name} {kind}\nselfspec_{name} {v}\n"));
     };
-    put("requests_total", "counter", "Requests admitted to decoding.", g(&m.requests) as f64);
-    put("requests_failed_total", "counter", "Requests that ended in an error.", g(&m.requests_failed) as f64);
-    put("requests_rejected_total", "counter", "Requests refused because the queue was full.", g(&m.requests_rejected) as f64);
+    put("requests_total", "counter", "Sequences admitted to decoding (each choice of a request with n or a prompt batch counts).", g(&m.requests) as f64);
+    put("requests_failed_total", "counter", "Sequences that ended in an error.", g(&m.requests_failed) as f64);
+    put("requests_rejected_total", "counter", "Requests refused because the queue had no room for all their choices.", g(&m.requests_rejected) as f64);
     put("requests_cancelled_total", "counter", "Requests whose client went away before the end.", g(&m.requests_cancelled) as f64);
     put("requests_length_total", "counter", "Requests that ran out of tokens rather than stopping.", g(&m.requests_length) as f64);
     put("prompt_tokens_total", "counter", "Prompt tokens read.", g(&m.prompt_tokens) as f64);
