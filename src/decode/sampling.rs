@@ -271,8 +271,7 @@ pub struct TokenLogprobs {
 /// from the row's bits: a row that is bit-identical with and without speculation (the verified
 /// rows are) gives identical log-probabilities.
 pub fn token_logprobs(logits: &[f32], token: u32, top: usize) -> TokenLogprobs {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let log_z = if max == f64::NEG_INFINITY { f64::NEG_INFINITY } else { max + exp_sum(logits, max).ln() };
+    let log_z = log_z(logits);
     // NaN (a NaN logit, or a row of -inf, or one with +inf) reads as "ruled out".
     let lp = |x: f32| match x as f64 - log_z {
         v if v.is_nan() => f32::NEG_INFINITY,
@@ -299,16 +298,25 @@ pub fn token_logprobs(logits: &[f32], token: u32, top: usize) -> TokenLogprobs {
 /// [`token_logprobs`] reads for one token, for every token (a divergence between two
 /// distributions needs them all).
 pub fn log_softmax_into(logits: &[f32], out: &mut Vec<f64>) {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
     out.clear();
     out.resize(logits.len(), f64::NEG_INFINITY);
-    if max == f64::NEG_INFINITY {
+    let log_z = log_z(logits);
+    if log_z == f64::NEG_INFINITY {
         return;
     }
-    let log_z = max + exp_sum(logits, max).ln();
     for (o, &x) in out.iter_mut().zip(logits) {
         *o = x as f64 - log_z;
     }
+}
+
+/// `ln(sum(exp(l[i])))`, shifted by the largest logit; -inf for a row of -inf. What
+/// [`token_logprobs`] and [`log_softmax_into`] subtract.
+fn log_z(logits: &[f32]) -> f64 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    if max == f64::NEG_INFINITY {
+        return f64::NEG_INFINITY;
+    }
+    max + exp_sum(logits, max).ln()
 }
 
 /// `sum(exp(l[i] - max))`, through [`exp_scaled`]'s vectorised loop a block at a time: a scalar

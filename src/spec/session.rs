@@ -513,13 +513,18 @@ impl<'d> Sequence<'d> {
                 let (tree, tokens, drafted_nodes) = (&draft.tree, &draft.tokens, draft.drafted_nodes);
                 self.stats.lookup_nodes += tree.len() - drafted_nodes;
                 let (history, params, rule, rng) = (&self.history, &self.opts.params, self.opts.rule, &mut self.rng);
-                let verdict = with_rows(&logits, |row| verify(tree, tokens, history, params, rule, rng, row))?;
-                // Token i was chosen at accepted node i: its logits row is that node's.
-                let mut lps = match self.logprobs {
-                    Some(top) => with_rows(&logits, |row| verdict.accepted.iter().zip(&verdict.emitted).map(|(&a, &t)| Ok(token_logprobs(row(a)?, t, top))).collect::<Result<Vec<_>>>())?,
-                    None => Vec::new(),
-                }
-                .into_iter();
+                // Log-probabilities from the rows the walk just read (a GPU's rows are copied once):
+                // token i was chosen at accepted node i.
+                let top = self.logprobs;
+                let (verdict, lps) = with_rows(&logits, |row| {
+                    let v = verify(tree, tokens, history, params, rule, rng, row)?;
+                    let lps = match top {
+                        Some(top) => v.accepted.iter().zip(&v.emitted).map(|(&a, &t)| Ok(token_logprobs(row(a)?, t, top))).collect::<Result<Vec<_>>>()?,
+                        None => Vec::new(),
+                    };
+                    Ok((v, lps))
+                })?;
+                let mut lps = lps.into_iter();
                 let t_commit = Instant::now();
                 let committed = self.cache.len() - tree.len();
                 let slots: Vec<usize> = verdict.accepted.iter().map(|&a| committed + a).collect();
