@@ -47,6 +47,7 @@ fn config(max_batch: usize, queue: usize, api_key: Option<&str>) -> ServeConfig 
         body_limit: 64 * 1024,
         api_key: api_key.map(str::to_string),
         drafter_path: None,
+        prompt_cache: 512 << 20,
     }
 }
 
@@ -475,6 +476,93 @@ fn logprobs_come_back_as_plain_decoding_gives_them_in_each_endpoints_shape() {
         assert!(v["choices"][0]["logprobs"].is_null(), "{v}");
         let (s, v, _) = call(&app, "/v1/chat/completions", json!({"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 3}), None).await;
         assert_eq!((s, v["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some("top_logprobs")), "{v}");
+    });
+    drop(app);
+    rt.shutdown_background();
+    engine.join().unwrap();
+}
+
+/// A chat's second turn starts from the first turn's kept cache: it runs only its new tokens,
+/// says so in `usage.prompt_tokens_details.cached_tokens`, and answers exactly what `generate`
+/// gives on the whole conversation (greedy and seeded sampling, with the drafter), as it does
+/// with `cache_prompt: false` or the cache turned off.
+#[test]
+fn a_second_turn_reuses_the_first_turns_cache_and_answers_the_same() {
+    let (target, drafter) = load();
+    let p = prompts();
+    let turn1 = vec![Message::new("user", p[2].clone())];
+    let sampled = SamplingParams { temperature: 0.8, top_p: 0.95, ..Default::default() };
+    let generate = |msgs: &[Message], params: &SamplingParams, seed: u64| -> String {
+        let ids = target.prompt_ids(msgs).unwrap();
+        let stop = StopRule { max_new_tokens: 40, eos_ids: &target.tokenizer.eos_ids };
+        let (out, _) = generate_plain(&target.model, &ids, params, &stop, &mut rng(seed), &mut |_| Ok(Flow::Continue)).unwrap();
+        let eos = target.tokenizer.eos_ids.contains(out.last().unwrap());
+        target.tokenizer.decode(&out[..out.len() - eos as usize]).unwrap()
+    };
+    let answer1 = generate(&turn1, &SamplingParams::greedy(), 0);
+    let mut turn2 = turn1.clone();
+    turn2.push(Message::new("assistant", answer1.clone()));
+    turn2.push(Message::new("user", "Now say it again in fewer words.".to_string()));
+    let turn1_len = target.prompt_ids(&turn1).unwrap().len();
+    let want_greedy = generate(&turn2, &SamplingParams::greedy(), 0);
+    let want_sampled = generate(&turn2, &sampled, 5);
+    // A fixed tree: the drafter's work is then deterministic, so a drafter that resumed from
+    // the kept states drafts exactly as one started on a fresh prefill does.
+    let cfg = ServeConfig { plan: Plan::parse("chain:3").unwrap(), ..config(4, 16, None) };
+    let (state, engine) = prepare(target, Some(drafter), None, &cfg).unwrap();
+    let app = http::router(state, 64 * 1024);
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    rt.block_on(async {
+        let mut greedy_runs = Vec::new();
+        let chat = |msgs: Value, extra: Value| {
+            let mut body = json!({"model": "smollm2", "messages": msgs, "temperature": 0, "max_tokens": 40});
+            body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            body
+        };
+        let m1 = json!([{"role": "user", "content": p[2]}]);
+        let (s, v, _) = call(&app, "/v1/chat/completions", chat(m1, json!({})), None).await;
+        assert_eq!((s, v["choices"][0]["message"]["content"].as_str()), (StatusCode::OK, Some(answer1.as_str())), "{v}");
+        let m2 = json!([{"role": "user", "content": p[2]}, {"role": "assistant", "content": answer1}, {"role": "user", "content": "Now say it again in fewer words."}]);
+        for (extra, want, cached) in [
+            (json!({}), &want_greedy, true),
+            (json!({"temperature": 0.8, "top_p": 0.95, "seed": 5}), &want_sampled, true),
+            (json!({"cache_prompt": false}), &want_greedy, false),
+            (json!({"stream": true, "stream_options": {"include_usage": true}}), &want_greedy, true),
+        ] {
+            let streamed = extra.get("stream").is_some();
+            let body = chat(m2.clone(), extra.clone());
+            let (text, usage, ext) = if streamed {
+                let resp = app.clone().oneshot(Request::post("/v1/chat/completions").header("content-type", "application/json").body(Body::from(body.to_string())).unwrap()).await.unwrap();
+                let raw = String::from_utf8(resp.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap();
+                let chunks: Vec<Value> = raw.split("\n\n").filter_map(|e| e.strip_prefix("data: ")).filter(|e| *e != "[DONE]").map(|e| serde_json::from_str(e).unwrap()).collect();
+                let text: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+                let last = chunks.last().unwrap();
+                (text, last["usage"].clone(), last["selfspec"].clone())
+            } else {
+                let (s, v, _) = call(&app, "/v1/chat/completions", body, None).await;
+                assert_eq!(s, StatusCode::OK, "{v}");
+                (v["choices"][0]["message"]["content"].as_str().unwrap().to_string(), v["usage"].clone(), v["selfspec"].clone())
+            };
+            assert_eq!(&text, want, "{extra}: the second turn differs from generate's");
+            let hit = usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap() as usize;
+            let prompt = usage["prompt_tokens"].as_u64().unwrap() as usize;
+            if cached {
+                // At least the first turn's prompt (and most of its answer) came from the cache.
+                assert!(hit > turn1_len && hit < prompt, "{extra}: {hit} of {prompt} cached, first turn {turn1_len}");
+            } else {
+                assert_eq!(hit, 0, "{extra}");
+            }
+            assert!(ext["accepted_draft_tokens"].as_u64().unwrap() > 0, "{extra}: the drafter accepted nothing");
+            if extra.get("seed").is_none() {
+                greedy_runs.push((ext["accepted_draft_tokens"].clone(), ext["target_forwards"].clone()));
+            }
+        }
+        assert!(greedy_runs.windows(2).all(|w| w[0] == w[1]), "the drafter drafted differently after resuming: {greedy_runs:?}");
+        let m = app.clone().oneshot(Request::get("/metrics").body(Body::empty()).unwrap()).await.unwrap();
+        let m = String::from_utf8(m.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap();
+        let hits: f64 = m.lines().find_map(|l| l.strip_prefix("selfspec_prompt_cache_hits_total ")).unwrap().parse().unwrap();
+        assert_eq!(hits, 3.0, "{m}");
+        assert!(m.lines().any(|l| l.strip_prefix("selfspec_prompt_cache_bytes ").is_some_and(|v| v.parse::<f64>().unwrap() > 0.0)), "{m}");
     });
     drop(app);
     rt.shutdown_background();

@@ -610,3 +610,59 @@ fn logprobs_with_a_drafter_are_plain_decodings_bit_for_bit() {
     }
     assert!(saved > 10, "the drafter saved only {saved} forwards: the test shows little");
 }
+
+/// A sequence resumed from a finished one's kept prefix (its K/V copied, the drafter restarted
+/// from the kept target states) emits what a fresh sequence on the same prompt emits, with the
+/// same log-probabilities and the same number of forwards; wrong uses are refused.
+#[test]
+fn a_sequence_resumed_from_a_kept_prefix_is_a_fresh_one_bit_for_bit() {
+    use selfspec::spec::Sequence;
+    let mut target = smollm2();
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/drafters/smollm2-eagle3");
+    let drafter = Drafter::from_dir(&dir, &target).unwrap();
+    drafter.attach(&mut target).unwrap();
+    let t = target;
+    let sampled = SamplingParams { temperature: 0.9, top_p: 0.95, ..Default::default() };
+    let seq = |ids: &[u32], params: &SamplingParams| {
+        let stop = StopRule { max_new_tokens: 32, eos_ids: &t.tokenizer.eos_ids };
+        let opts = SpecOptions { tree: TreeChoice::Static(Tree::chain(3)), lookup: None, datastore: None, rule: Rule::for_params(params, false), params: params.clone(), stop };
+        Sequence::new(&t.model, Some(&drafter), ids, opts, rng(3)).unwrap()
+    };
+    let first = t.encode_prompt("Name three rivers in Europe.", true).unwrap();
+    let mut a = seq(&first, &SamplingParams::greedy()).keeping_prefix();
+    run_alone(&t.model, &mut a);
+    let (out, _, prefix) = a.finish_keeping_prefix().unwrap();
+    let prefix = prefix.expect("a finished sequence with its states kept leaves a prefix");
+    assert_eq!(prefix.tokens().len(), first.len() + out.len() - 1, "every token but the last, which never ran");
+    assert!(prefix.states().is_some());
+    // The next turn: the first prompt, its answer and more.
+    let follow = t.encode_prompt(" And which is the longest?", false).unwrap();
+    let second: Vec<u32> = first.iter().chain(&out).chain(&follow).copied().collect();
+    let n = prefix.usable(&second);
+    assert_eq!(n, prefix.tokens().len());
+    for params in [SamplingParams::greedy(), sampled] {
+        let mut fresh = seq(&second, &params).with_logprobs(2);
+        let fresh_forwards = run_alone(&t.model, &mut fresh);
+        let mut resumed = seq(&second, &params).with_logprobs(2).resume_from(&prefix, n).unwrap();
+        let resumed_forwards = run_alone(&t.model, &mut resumed);
+        assert_eq!(resumed.output(), fresh.output());
+        assert_eq!(resumed.logprobs(), fresh.logprobs());
+        assert_eq!(resumed_forwards, fresh_forwards, "the drafter drafted differently after resuming");
+        assert_eq!((resumed.stats().cached_prompt_tokens, fresh.stats().cached_prompt_tokens), (n, 0));
+    }
+    // Refused: more than the prefix covers, prompt log-probabilities, a started sequence, and a
+    // drafter's sequence from a prefix without states.
+    assert!(seq(&second, &SamplingParams::greedy()).resume_from(&prefix, n + 1).is_err());
+    assert!(seq(&second, &SamplingParams::greedy()).with_prompt_logprobs(1).resume_from(&prefix, n).is_err());
+    let mut started = seq(&second, &SamplingParams::greedy());
+    let w = started.next_work(&t.model, 8, true).unwrap().unwrap();
+    let hidden = t.model.forward(w.tokens(), w.positions(), w.mask(), started.cache_mut()).unwrap();
+    started.finish_work(&t.model, w, hidden, None, 8, 1.0, &mut |_, _| Ok(selfspec::Flow::Continue)).unwrap();
+    assert!(started.resume_from(&prefix, 4).is_err());
+    let mut plain = Sequence::new(&t.model, None, &first, SpecOptions { tree: TreeChoice::Static(Tree::chain(1)), lookup: None, datastore: None, rule: Rule::Greedy, params: SamplingParams::greedy(), stop: StopRule { max_new_tokens: 4, eos_ids: &[] } }, rng(0)).unwrap();
+    run_alone(&t.model, &mut plain);
+    let (_, _, bare) = plain.finish_keeping_prefix().unwrap();
+    let bare = bare.expect("plain decoding keeps its cache without states");
+    assert!(bare.states().is_none());
+    assert!(seq(&second, &SamplingParams::greedy()).resume_from(&bare, 4).is_err());
+}

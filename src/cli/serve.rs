@@ -41,6 +41,11 @@ pub struct ServeArgs {
     /// Largest request body in bytes (larger: 413).
     #[arg(long, default_value_t = 1 << 20)]
     max_body: usize,
+    /// MiB of finished requests' KV caches kept, so a prompt that starts as an earlier one did
+    /// (a chat's next turn, a shared system prompt) runs only its new tokens; answers are the
+    /// same bits either way. 0 turns it off; a request's `"cache_prompt": false` opts out.
+    #[arg(long, default_value_t = 512, value_name = "MIB")]
+    prompt_cache: usize,
     /// Require `Authorization: Bearer KEY` on /v1/* and /metrics (or set SELFSPEC_API_KEY).
     #[arg(long, env = "SELFSPEC_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
@@ -55,6 +60,9 @@ pub fn run(a: ServeArgs) -> Result<()> {
     }
     if a.max_body < 1024 {
         bail!("--max-body must be at least 1024 bytes, got {}", a.max_body);
+    }
+    if a.prompt_cache > 1 << 20 {
+        bail!("--prompt-cache is in MiB and at most 1048576 (1 TiB), got {}", a.prompt_cache);
     }
     if a.api_key.as_deref().is_some_and(str::is_empty) {
         bail!("--api-key is empty");
@@ -82,6 +90,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         body_limit: a.max_body,
         api_key: a.api_key.clone(),
         drafter_path: a.drafter.drafter.as_ref().map(|p| p.display().to_string()),
+        prompt_cache: a.prompt_cache << 20,
     };
     serve(target, drafter, datastore, cfg, |addr| {
         eprintln!("serving '{model_name}' at http://{addr}/ (OpenAI API under /v1; Ctrl-C stops)");

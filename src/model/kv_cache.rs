@@ -167,6 +167,40 @@ impl KvCache {
         self.pending = 0;
     }
 
+    /// A new cache holding a copy of this one's first `n` committed tokens (a served prompt
+    /// that starts as an earlier conversation did resumes from them instead of recomputing
+    /// them). The copy's values are this cache's, bit for bit: a forward after them computes
+    /// what it would after a fresh prefill of the same tokens, since every row's K/V depends
+    /// only on the tokens up to it (batch-invariant kernels).
+    pub fn prefix_copy(&self, n: usize) -> Result<KvCache> {
+        if n > self.len {
+            return Err(Error::InvalidArgument(format!("prefix_copy({n}) of a cache holding {} tokens", self.len)));
+        }
+        let capacity = 256.max(n).min(self.max_len.max(1));
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for l in &self.layers {
+            let copy = |t: &Tensor| -> Result<Tensor> {
+                let out = Tensor::zeros((self.kv_heads, capacity, self.head_dim), self.dtype, &self.device)?;
+                if n > 0 {
+                    out.slice_set(&t.narrow(1, 0, n)?.contiguous()?, 1, 0)?;
+                }
+                Ok(out)
+            };
+            layers.push(LayerKv { k: copy(&l.k)?, v: copy(&l.v)? });
+        }
+        Ok(KvCache { layers, len: n, pending: 0, capacity, max_len: self.max_len, kv_heads: self.kv_heads, head_dim: self.head_dim, device: self.device.clone(), dtype: self.dtype })
+    }
+
+    /// Bytes the cache holds allocated (its capacity, committed or not).
+    pub fn bytes(&self) -> usize {
+        2 * self.layers.len() * self.kv_heads * self.capacity * self.head_dim * self.dtype.size_in_bytes()
+    }
+
+    /// Bytes one token takes in this cache (every layer's K and V).
+    pub fn bytes_per_token(&self) -> usize {
+        2 * self.layers.len() * self.kv_heads * self.head_dim * self.dtype.size_in_bytes()
+    }
+
     /// The committed K/V of one layer (`[len, kv_heads, head_dim]`, f32), for tests and inspection.
     pub fn layer(&self, layer: usize) -> Result<(Tensor, Tensor)> {
         let l = &self.layers[layer];
@@ -204,6 +238,40 @@ mod tests {
         let mut small = KvCache::new(1, 1, 1, 3, DType::F32, &dev).unwrap();
         assert!(small.reserve(4).is_err());
         assert!(KvCache::new(1, 1, 1, 3, DType::BF16, &dev).is_err());
+    }
+
+    #[test]
+    fn a_prefix_copy_holds_the_same_values_and_grows_on_its_own() {
+        let dev = Device::Cpu;
+        for dtype in [DType::F16, DType::F32] {
+            let mut c = KvCache::new(2, 2, 3, 1000, dtype, &dev).unwrap();
+            let k = Tensor::arange(0f32, 1800f32, &dev).unwrap().reshape((300, 2, 3)).unwrap();
+            let v = (&k + 0.5).unwrap();
+            for layer in 0..2 {
+                c.write(layer, &k, &v).unwrap();
+            }
+            c.append(300).unwrap();
+            let mut p = c.prefix_copy(260).unwrap();
+            assert_eq!(p.len(), 260);
+            assert_eq!(p.bytes_per_token(), 2 * 2 * 2 * 3 * dtype.size_in_bytes());
+            assert!(p.bytes() >= 260 * p.bytes_per_token());
+            for layer in 0..2 {
+                let (pk, pv) = p.layer(layer).unwrap();
+                let (ck, cv) = c.layer(layer).unwrap();
+                assert_eq!(pk.to_vec3::<f32>().unwrap(), ck.narrow(0, 0, 260).unwrap().to_vec3::<f32>().unwrap());
+                assert_eq!(pv.to_vec3::<f32>().unwrap(), cv.narrow(0, 0, 260).unwrap().to_vec3::<f32>().unwrap());
+            }
+            // Writing after the copy's end leaves the original alone.
+            let t = Tensor::full(-1f32, (4, 2, 3), &dev).unwrap();
+            for layer in 0..2 {
+                p.write(layer, &t, &t).unwrap();
+            }
+            p.append(4).unwrap();
+            assert_eq!(c.layer(0).unwrap().0.narrow(0, 260, 1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()[0], 1560.0);
+            assert_eq!(p.layer(1).unwrap().0.narrow(0, 261, 1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()[0], -1.0);
+            assert_eq!(c.prefix_copy(0).unwrap().len(), 0);
+            assert!(c.prefix_copy(301).is_err());
+        }
     }
 
     #[test]

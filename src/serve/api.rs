@@ -69,6 +69,9 @@ pub struct Request {
     /// Completions: the answer starts with the prompt (and the log-probabilities with the
     /// prompt's, the first `null`).
     pub echo: Option<bool>,
+    /// llama.cpp's extension: `false` neither reuses a kept prompt's cache nor keeps this one's
+    /// (default true; `--prompt-cache 0` turns caching off for every request).
+    pub cache_prompt: Option<bool>,
     /// Accepted (OpenAI's end-user id: nothing to do with decoding).
     pub user: Option<String>,
     /// Everything else: refused by name unless it asks for nothing ([`asks_for_nothing`]).
@@ -168,6 +171,8 @@ pub struct Decoding {
     pub logprobs: Option<usize>,
     /// Completions' `echo`: the prompt first.
     pub echo: bool,
+    /// Reuse and keep prompt caches (llama.cpp's `cache_prompt`).
+    pub cache_prompt: bool,
     /// Choices per prompt (`n`), each seeded `seed + its index`.
     pub n: usize,
 }
@@ -295,6 +300,7 @@ impl Request {
             seed: self.seed,
             stop,
             ignore_eos: self.ignore_eos.unwrap_or(false),
+            cache_prompt: self.cache_prompt.unwrap_or(true),
             stream,
             include_usage: opts.and_then(|o| o.include_usage).unwrap_or(false),
             continuous_usage: opts.and_then(|o| o.continuous_usage_stats).unwrap_or(false),

@@ -28,6 +28,7 @@ use crate::draft::lookup::Lookup;
 use crate::model::loader::Target;
 use crate::model::tokenizer::Tokenizer;
 use crate::model::BatchEntry;
+use crate::spec::prefix::PrefixCache;
 use crate::spec::session::{Sequence, SpecOptions, Work};
 use crate::spec::verify::Rule;
 use crate::{Error, Result};
@@ -52,6 +53,9 @@ pub struct Job {
     /// Send this text back first (completions' `echo`: the prompt), with the prompt tokens'
     /// log-probabilities when `logprobs` asks for them.
     pub echo: Option<String>,
+    /// Start from a kept prompt's cache where one matches, and keep this one's afterwards
+    /// (llama.cpp's `cache_prompt`).
+    pub cache_prompt: bool,
     pub events: UnboundedSender<Event>,
 }
 
@@ -114,6 +118,8 @@ pub struct Summary {
     /// "stop" (end of sequence or a stop string) or "length".
     pub finish_reason: &'static str,
     pub prompt_tokens: usize,
+    /// Prompt tokens taken from the prompt cache rather than run.
+    pub cached_tokens: usize,
     pub completion_tokens: usize,
     /// Target forwards this request took part in after its prompt.
     pub target_forwards: usize,
@@ -134,6 +140,11 @@ pub struct Metrics {
     /// Requests that ran out of tokens (max_tokens or the context) rather than stopping.
     pub requests_length: AtomicU64,
     pub prompt_tokens: AtomicU64,
+    /// Prompt tokens taken from the prompt cache, and the requests that found one there.
+    pub cached_prompt_tokens: AtomicU64,
+    pub prompt_cache_hits: AtomicU64,
+    /// Bytes the prompt cache holds (KV caches and the drafter's states).
+    pub prompt_cache_bytes: AtomicUsize,
     pub completion_tokens: AtomicU64,
     pub accepted_draft_tokens: AtomicU64,
     /// Sequence-steps: one per sequence per decode forward (τ = completion tokens / this).
@@ -163,6 +174,9 @@ pub struct EngineConfig {
     pub costs: Option<CostCurve>,
     /// Draft at every batch size rather than where [`DraftPolicy`] measured it paying.
     pub always_draft: bool,
+    /// Bytes of finished sequences' caches kept for prompts that start the same way
+    /// ([`PrefixCache`]; 0: none kept).
+    pub prompt_cache: usize,
 }
 
 /// The handle request handlers submit to.
@@ -280,6 +294,7 @@ fn run(target: &Target, drafter: Option<&Drafter>, datastore: Option<&Datastore>
     let mut batch_costs = cfg.costs.as_ref().map(LiveCosts::new);
     let mut policy = DraftPolicy::new(cfg.max_batch);
     let mut step_no = 0u64;
+    let mut prefixes = PrefixCache::new(cfg.prompt_cache);
     while open || !active.is_empty() {
         // Admit: wait when idle, else take what is queued without waiting.
         while open && active.len() < cfg.max_batch {
@@ -319,13 +334,29 @@ fn run(target: &Target, drafter: Option<&Drafter>, datastore: Option<&Datastore>
                 params: job.params.clone(),
                 stop: StopRule { max_new_tokens: job.max_tokens, eos_ids: if job.ignore_eos { &[] } else { &target.tokenizer.eos_ids } },
             };
-            match catching(|| Sequence::new(model, drafter, &job.prompt, opts, rng(job.seed))) {
+            let caching = cfg.prompt_cache > 0 && job.cache_prompt;
+            let start = || {
+                let seq = Sequence::new(model, drafter, &job.prompt, opts, rng(job.seed))?;
+                let seq = match (job.logprobs, job.echo.is_some()) {
+                    (Some(top), true) => return Ok(seq.with_logprobs(top).with_prompt_logprobs(top)),
+                    (Some(top), false) => seq.with_logprobs(top),
+                    (None, _) => seq,
+                };
+                if !caching {
+                    return Ok(seq);
+                }
+                let seq = seq.keeping_prefix();
+                match prefixes.lookup(&job.prompt) {
+                    Some((p, n)) => {
+                        m.prompt_cache_hits.fetch_add(1, Ordering::Relaxed);
+                        m.cached_prompt_tokens.fetch_add(n as u64, Ordering::Relaxed);
+                        seq.resume_from(p, n)
+                    }
+                    None => Ok(seq),
+                }
+            };
+            match catching(start) {
                 Ok(seq) => {
-                    let seq = match (job.logprobs, job.echo.is_some()) {
-                        (Some(top), true) => seq.with_logprobs(top).with_prompt_logprobs(top),
-                        (Some(top), false) => seq.with_logprobs(top),
-                        (None, _) => seq,
-                    };
                     let stop = StopMatch::new(job.stop.clone());
                     let echoed = job.echo.is_none();
                     active.push(Active { seq, job, tok: &target.tokenizer, text: TextStream::new(&target.tokenizer), stop, sent_tokens: 0, answer_tokens: 0, flushed: false, echoed, failed: false });
@@ -359,16 +390,24 @@ fn run(target: &Target, drafter: Option<&Drafter>, datastore: Option<&Datastore>
                 m.requests_failed.fetch_add(1, Ordering::Relaxed);
                 active.swap_remove(i);
             } else if a.job.events.is_closed() {
+                // The client left (a chat's stop button): what was computed still serves the
+                // next turn.
                 m.requests_cancelled.fetch_add(1, Ordering::Relaxed);
-                active.swap_remove(i);
+                let a = active.swap_remove(i);
+                if a.job.cache_prompt && prefixes.budget() > 0 {
+                    if let Ok((_, _, Some(p))) = a.seq.finish_keeping_prefix() {
+                        prefixes.insert(p);
+                    }
+                }
             } else if a.seq.is_done() {
                 let mut a = active.swap_remove(i);
                 deliver(&mut a, m);
-                finish(a, m);
+                finish(a, m, &mut prefixes);
             } else {
                 i += 1;
             }
         }
+        m.prompt_cache_bytes.store(prefixes.bytes(), Ordering::Relaxed);
     }
 }
 
@@ -649,18 +688,34 @@ fn deliver(a: &mut Active, m: &Metrics) {
     }
 }
 
-fn finish(a: Active, m: &Metrics) {
+fn finish(a: Active, m: &Metrics, prefixes: &mut PrefixCache) {
     let hit_stop = a.stop.hit;
     let eos = a.seq.ended_on_eos();
     let seed = a.job.seed;
     let events = a.job.events.clone();
     let kept = a.answer_tokens;
-    let (_, stats, _) = a.seq.finish();
+    let stats = if a.job.cache_prompt && prefixes.budget() > 0 {
+        let (_, stats, prefix) = match a.seq.finish_keeping_prefix() {
+            Ok(x) => x,
+            Err(e) => {
+                m.requests_failed.fetch_add(1, Ordering::Relaxed);
+                let _ = events.send(Event::Failed(format!("decoding failed: {e}")));
+                return;
+            }
+        };
+        if let Some(p) = prefix {
+            prefixes.insert(p);
+        }
+        stats
+    } else {
+        a.seq.finish().1
+    };
     // Tokens emitted in the same step after a stop string are not part of the answer.
     let accepted = stats.drafted[..kept.min(stats.drafted.len())].iter().filter(|&&d| d).count();
     let summary = Summary {
         finish_reason: if hit_stop || eos { "stop" } else { "length" },
         prompt_tokens: stats.gen.prompt_tokens,
+        cached_tokens: stats.cached_prompt_tokens,
         completion_tokens: kept,
         target_forwards: stats.gen.target_forwards,
         tau: stats.tau(),

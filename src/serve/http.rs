@@ -149,7 +149,10 @@ async fn metrics(State(s): State<Arc<AppState>>) -> impl IntoResponse {
     put("requests_rejected_total", "counter", "Requests refused because the queue had no room for all their choices.", g(&m.requests_rejected) as f64);
     put("requests_cancelled_total", "counter", "Requests whose client went away before the end.", g(&m.requests_cancelled) as f64);
     put("requests_length_total", "counter", "Requests that ran out of tokens rather than stopping.", g(&m.requests_length) as f64);
-    put("prompt_tokens_total", "counter", "Prompt tokens read.", g(&m.prompt_tokens) as f64);
+    put("prompt_tokens_total", "counter", "Prompt tokens of admitted sequences (cached ones included).", g(&m.prompt_tokens) as f64);
+    put("cached_prompt_tokens_total", "counter", "Prompt tokens taken from the prompt cache instead of being run.", g(&m.cached_prompt_tokens) as f64);
+    put("prompt_cache_hits_total", "counter", "Sequences that started from a kept prompt's cache.", g(&m.prompt_cache_hits) as f64);
+    put("prompt_cache_bytes", "gauge", "Bytes the prompt cache holds (KV caches, and target states for the drafter).", m.prompt_cache_bytes.load(Ordering::Relaxed) as f64);
     put("completion_tokens_total", "counter", "Tokens generated.", g(&m.completion_tokens) as f64);
     put("accepted_draft_tokens_total", "counter", "Generated tokens the drafter proposed and the target accepted.", g(&m.accepted_draft_tokens) as f64);
     put("sequence_steps_total", "counter", "Decode steps summed over sequences (one per sequence per forward).", steps as f64);
@@ -294,7 +297,7 @@ async fn answer(s: &Arc<AppState>, kind: Kind, prompts: Vec<Vec<u32>>, echoes: V
     let (mut jobs, mut receivers) = (Vec::with_capacity(choices), Vec::with_capacity(choices));
     for (k, (ids, echo)) in prompts.iter().zip(&echoes).flat_map(|p| std::iter::repeat_n(p, d.n)).enumerate() {
         let (tx, rx) = unbounded_channel();
-        jobs.push(Job { prompt: ids.clone(), params: d.params.clone(), max_tokens: d.max_tokens, seed: seed.wrapping_add(k as u64), stop: d.stop.clone(), ignore_eos: d.ignore_eos, logprobs: d.logprobs, echo: echo.clone(), events: tx });
+        jobs.push(Job { prompt: ids.clone(), params: d.params.clone(), max_tokens: d.max_tokens, seed: seed.wrapping_add(k as u64), stop: d.stop.clone(), ignore_eos: d.ignore_eos, logprobs: d.logprobs, echo: echo.clone(), cache_prompt: d.cache_prompt, events: tx });
         receivers.push(rx);
     }
     match s.engine.submit_all(jobs) {
@@ -307,7 +310,7 @@ async fn answer(s: &Arc<AppState>, kind: Kind, prompts: Vec<Vec<u32>>, echoes: V
         Err(Refused::Stopped) => return ApiError::server(503, "the server is shutting down").into_response(),
     }
     let id = format!("{}-{}", if kind == Kind::Chat { "chatcmpl" } else { "cmpl" }, s.next_id.fetch_add(1, Ordering::Relaxed));
-    let meta = Meta { id, created: now(), model: s.model_name.clone(), kind };
+    let meta = Meta { id, created: now(), model: s.model_name.clone(), kind, n: d.n };
     let logprobs = d.logprobs.is_some();
     if d.stream {
         stream(meta, receivers, &d, prompt_tokens).into_response()
@@ -321,6 +324,8 @@ struct Meta {
     created: u64,
     model: String,
     kind: Kind,
+    /// Choices per prompt.
+    n: usize,
 }
 
 impl Meta {
@@ -333,10 +338,13 @@ impl Meta {
     }
 }
 
-/// OpenAI's usage for a request's choices: each prompt's tokens once, every choice's answer.
-fn usage(prompt_tokens: usize, sums: &[Summary]) -> Value {
+/// OpenAI's usage for a request's choices (`n` per prompt, in order): each prompt's tokens
+/// once, every choice's answer; `cached_tokens` counts the prompt tokens the prompt cache
+/// supplied, a prompt's once (its first choice's).
+fn usage(prompt_tokens: usize, n: usize, sums: &[Summary]) -> Value {
     let completion: usize = sums.iter().map(|s| s.completion_tokens).sum();
-    json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion})
+    let cached: usize = sums.iter().step_by(n.max(1)).map(|s| s.cached_tokens).sum();
+    json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}})
 }
 
 /// The request's extension field over all its choices: τ as answer tokens per target forward
@@ -454,7 +462,7 @@ async fn whole(meta: Meta, receivers: Vec<UnboundedReceiver<Event>>, logprobs: b
         choices.push(choice);
         sums.push(sum);
     }
-    Json(json!({"id": meta.id, "object": meta.object(false), "created": meta.created, "model": meta.model, "choices": choices, "usage": usage(prompt_tokens, &sums), "selfspec": extension_all(&sums)})).into_response()
+    Json(json!({"id": meta.id, "object": meta.object(false), "created": meta.created, "model": meta.model, "choices": choices, "usage": usage(prompt_tokens, meta.n, &sums), "selfspec": extension_all(&sums)})).into_response()
 }
 
 /// Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`: each chunk one
@@ -538,7 +546,7 @@ fn stream(meta: Meta, receivers: Vec<UnboundedReceiver<Event>>, d: &Decoding, pr
             return;
         };
         if include_usage {
-            let v = json!({"id": meta.id, "object": meta.object(true), "created": meta.created, "model": meta.model, "choices": [], "usage": usage(prompt_tokens, &sums), "selfspec": extension_all(&sums)});
+            let v = json!({"id": meta.id, "object": meta.object(true), "created": meta.created, "model": meta.model, "choices": [], "usage": usage(prompt_tokens, meta.n, &sums), "selfspec": extension_all(&sums)});
             let _ = tx.send(Ok(SseEvent::default().data(v.to_string())));
         }
         let _ = tx.send(Ok(SseEvent::default().data("[DONE]")));

@@ -39,6 +39,9 @@ pub struct ServeConfig {
     pub api_key: Option<String>,
     /// The drafter's directory, for `/v1/models`.
     pub drafter_path: Option<String>,
+    /// Bytes of finished requests' KV caches kept for prompts that start the same way (a
+    /// chat's next turn, a shared system prompt); 0 keeps none.
+    pub prompt_cache: usize,
 }
 
 /// Everything the server runs on, built before it listens: the engine started with the tree
@@ -58,7 +61,7 @@ pub fn prepare(target: Target, drafter: Option<Drafter>, datastore: Option<Datas
         }
         None => (cfg.plan.tree.clone(), None),
     };
-    let ecfg = engine::EngineConfig { tree, lookup: drafter.as_ref().and(lookup), max_batch: cfg.max_batch, queue: cfg.queue, costs, always_draft: cfg.always_draft };
+    let ecfg = engine::EngineConfig { tree, lookup: drafter.as_ref().and(lookup), max_batch: cfg.max_batch, queue: cfg.queue, costs, always_draft: cfg.always_draft, prompt_cache: cfg.prompt_cache };
     let (handle, thread) = engine::start(target.clone(), drafter.map(Arc::new), datastore.map(Arc::new), ecfg)?;
     let state = Arc::new(http::AppState {
         engine: handle,

@@ -5,8 +5,10 @@
 //! scheduler drives many through one forward.
 pub mod driver;
 pub mod plan;
+pub mod prefix;
 pub mod session;
 pub mod verify;
 
 pub use driver::*;
+pub use prefix::{Prefix, PrefixCache};
 pub use session::{Sequence, SpecOptions, SpecStats, StepTimes, Work};

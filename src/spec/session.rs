@@ -22,6 +22,7 @@ use crate::draft::lookup::Lookup;
 use crate::draft::tree::{Tree, MAX_TREE_NODES};
 use crate::model::kv_cache::KvCache;
 use crate::model::Llama;
+use crate::spec::prefix::Prefix;
 use crate::spec::verify::{verify, Rule};
 use crate::draft::datastore::Datastore;
 use crate::{Error, Result};
@@ -78,6 +79,9 @@ pub struct SpecStats {
     /// forwards came out cheaper than the start-up curve said ([`LiveCosts::start_overpriced`];
     /// a sequence cut alone, as `generate` and `eval` cut).
     pub explored: usize,
+    /// Prompt tokens taken from a kept [`Prefix`] instead of being run (OpenAI's
+    /// `usage.prompt_tokens_details.cached_tokens`).
+    pub cached_prompt_tokens: usize,
 }
 
 #[derive(Debug, Clone, Default, serde::Serialize)]
@@ -206,6 +210,9 @@ pub struct Sequence<'d> {
     /// Alternatives per prompt token, and per prompt token so far its log-probability (`None`
     /// for the first, which nothing predicts), when asked for.
     prompt_logprobs: Option<(usize, Vec<Option<TokenLogprobs>>)>,
+    /// The target's states of the committed tokens, in order, kept for [`Self::finish_keeping_prefix`]
+    /// when a drafter reads them (`None`: not kept).
+    kept_states: Option<Vec<Tensor>>,
 }
 
 impl<'d> Sequence<'d> {
@@ -260,7 +267,49 @@ impl<'d> Sequence<'d> {
             logprobs: None,
             token_logprobs: Vec::new(),
             prompt_logprobs: None,
+            kept_states: None,
         })
+    }
+
+    /// Start from a kept generation's first `n` tokens instead of running them: `n` must be
+    /// at most [`Prefix::usable`] for this prompt (the prefix's tokens are the prompt's start,
+    /// and the prompt's last token still runs). Called before any work. The K/V are copied,
+    /// so one prefix serves many sequences; with a drafter the prefix must carry the target's
+    /// states, which the drafter starts from as it would from a fresh prefill's.
+    pub fn resume_from(mut self, prefix: &Prefix, n: usize) -> Result<Self> {
+        let Phase::Prefill { done: 0, hidden } = &mut self.phase else {
+            return Err(Error::InvalidArgument("a sequence resumes from a prefix before it starts".into()));
+        };
+        if n == 0 {
+            return Ok(self);
+        }
+        if n > prefix.usable(&self.history[..self.prompt_len]) {
+            return Err(Error::InvalidArgument(format!("the prefix does not cover the prompt's first {n} tokens")));
+        }
+        if self.prompt_logprobs.is_some() {
+            return Err(Error::InvalidArgument("prompt log-probabilities need every prompt row run".into()));
+        }
+        if self.drafter.is_some() {
+            let states = prefix.states().ok_or_else(|| Error::InvalidArgument("the prefix has no target states for the drafter".into()))?;
+            let rows = states.narrow(0, 0, n)?;
+            if let Some(k) = self.kept_states.as_mut() {
+                k.push(rows.clone());
+            }
+            hidden.push(rows);
+        }
+        self.cache = prefix.cache().prefix_copy(n)?;
+        self.phase = Phase::Prefill { done: n, hidden: std::mem::take(hidden) };
+        self.stats.cached_prompt_tokens = n;
+        Ok(self)
+    }
+
+    /// Keep what [`Self::finish_keeping_prefix`] hands back: with a drafter, a copy of the
+    /// target's states of every committed token (its width in f32 per token).
+    pub fn keeping_prefix(mut self) -> Self {
+        if self.drafter.is_some() && self.kept_states.is_none() {
+            self.kept_states = Some(Vec::new());
+        }
+        self
     }
 
     /// Record each prompt token's log-probability under the target given the tokens before it,
@@ -339,7 +388,7 @@ impl<'d> Sequence<'d> {
         match &mut self.phase {
             Phase::Done => Ok(None),
             Phase::Prefill { done, .. } => {
-                let end = (*done + prefill_chunk.max(1)).min(self.prompt_len);
+                let end = done.saturating_add(prefill_chunk.max(1)).min(self.prompt_len);
                 let tokens = self.history[*done..end].to_vec();
                 let positions: Vec<usize> = (*done..end).collect();
                 Ok(Some(Work::Prefill { mask: TreeMask::causal(tokens.len()), tokens, positions, all_logits: self.prompt_logprobs.is_some() }))
@@ -489,6 +538,11 @@ impl<'d> Sequence<'d> {
                     1 => hs.pop(),
                     _ => Some(Tensor::cat(hs, 0)?),
                 };
+                if let (Some(k), Some(s)) = (self.kept_states.as_mut(), states.as_ref()) {
+                    // Rows taken from a prefix were pushed by `resume_from`; the rest are new.
+                    let from: usize = k.iter().map(|t| t.dim(0)).sum::<candle_core::Result<usize>>()?;
+                    k.push(s.narrow(0, from, s.dim(0)? - from)?);
+                }
                 let logits = logits.ok_or_else(|| Error::InvalidArgument("the prompt's last row needs its logits".into()))?;
                 let row = row_to_vec(&logits, logits.dim(0)? - 1)?;
                 let first = self.opts.params.choose(&row, &self.history, &mut self.rng);
@@ -529,6 +583,10 @@ impl<'d> Sequence<'d> {
                 let committed = self.cache.len() - tree.len();
                 let slots: Vec<usize> = verdict.accepted.iter().map(|&a| committed + a).collect();
                 self.cache.compact(committed, &slots)?;
+                if let Some(k) = self.kept_states.as_mut() {
+                    let idx: Vec<u32> = verdict.accepted.iter().map(|&a| a as u32).collect();
+                    k.push(hidden.index_select(&Tensor::new(idx.as_slice(), hidden.device())?, 0)?);
+                }
                 let s = &mut self.stats;
                 s.gen.target_forwards += 1;
                 s.tree_nodes_total += tree.len();
@@ -591,6 +649,37 @@ impl<'d> Sequence<'d> {
     /// The tokens, the run's statistics (drafting accuracy scored against what the target
     /// emitted) and the random generator (handed back to a caller that lent it).
     pub fn finish(mut self) -> (Vec<u32>, SpecStats, Rng64) {
+        self.score_drafts();
+        (self.out, self.stats, self.rng)
+    }
+
+    /// [`Self::finish`], also handing back the committed tokens (prompt and answer, less the
+    /// last token, which never ran) with their KV cache and, when [`Self::keeping_prefix`]
+    /// kept them, the target's states: for a later prompt that starts the same way. `None`
+    /// when nothing was committed, or a drafter's states were not kept.
+    pub fn finish_keeping_prefix(mut self) -> Result<(Vec<u32>, SpecStats, Option<Prefix>)> {
+        self.score_drafts();
+        // A step that stopped partway through its emitted tokens committed the K/V of accepted
+        // tokens past the last one emitted: keep only those of emitted ones.
+        let n = self.cache.len().min(self.history.len());
+        self.cache.truncate(n);
+        let states = match (self.drafter, self.kept_states.take()) {
+            (None, _) => Some(None),
+            (Some(_), Some(rows)) if !rows.is_empty() => {
+                let all = Tensor::cat(&rows, 0)?;
+                (all.dim(0)? >= n).then(|| all.narrow(0, 0, n).and_then(|t| t.copy())).transpose()?.map(Some)
+            }
+            (Some(_), _) => None,
+        };
+        let prefix = match states {
+            Some(states) if n > 0 => Some(Prefix::new(self.history[..n].to_vec(), self.cache, states)?),
+            _ => None,
+        };
+        Ok((self.out, self.stats, prefix))
+    }
+
+    /// Drafting accuracy per level, scored against what the target emitted.
+    fn score_drafts(&mut self) {
         let levels = self.drafts.iter().map(|d| d.1.len()).max().unwrap_or(0);
         self.stats.head_acc = vec![(0, 0, 0); levels];
         for (root_idx, per_level) in &self.drafts {
@@ -605,7 +694,6 @@ impl<'d> Sequence<'d> {
         }
         self.stats.gen.prompt_tokens = self.prompt_len;
         self.stats.gen.new_tokens = self.out.len();
-        (self.out, self.stats, self.rng)
     }
 }
 
