@@ -329,3 +329,37 @@ fn generate_reads_prompt_files_and_stops_quietly_when_stdout_closes() {
     assert_eq!(out.status.code(), Some(0), "{err}");
     assert!(!err.contains("error") && !err.contains("stopped at"), "{err}");
 }
+
+/// `chat` as llama-cli's conversation mode is used with piped input: one answer per message,
+/// each turn after the first starting from the last turn's cache, `/reset` starting over (the
+/// same first message then gets the same greedy answer), and bad flags refused up front.
+#[test]
+fn chat_answers_each_piped_message_and_reuses_the_last_turn() {
+    let (tiny, _) = tiny_gguf("cli-chat", 5);
+    let m = tiny.to_str().unwrap();
+    let chat = |input: &[u8], extra: &[&str]| {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_selfspec"))
+            .args(["chat", "--model", m])
+            .args(if extra.is_empty() { &["--max-tokens", "6"][..] } else { extra })
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::io::Write::write_all(&mut child.stdin.take().unwrap(), input).unwrap();
+        let out = child.wait_with_output().unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (code, out, err) = chat(b"the cat sat\nthe dog \\\nran\n\n/reset\nthe cat sat\n", &[]);
+    assert_eq!(code, Some(0), "{err}");
+    let answers: Vec<&str> = out.lines().collect();
+    assert_eq!(answers.len(), 3, "one line per answer: {out:?}");
+    assert_eq!(answers[0], answers[2], "after /reset the same message gets the same greedy answer");
+    let cached: Vec<usize> = err.lines().filter_map(|l| l.split(", ").last()?.split(' ').next()?.parse().ok()).collect();
+    assert_eq!(cached.len(), 3, "{err}");
+    assert!(cached[0] == 0 && cached[1] > 0 && cached[2] == 0, "the second turn starts from the first's cache: {err}");
+    assert!(err.contains("tau ") && err.contains("bonus token counted"), "{err}");
+    let (code, _, err) = chat(b"hi\n", &["--max-tokens", "0"]);
+    assert_ne!(code, Some(0));
+    assert!(err.contains("--max-tokens must be at least 1") && !err.contains("panicked"), "{err}");
+}

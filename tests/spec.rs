@@ -631,7 +631,7 @@ fn a_sequence_resumed_from_a_kept_prefix_is_a_fresh_one_bit_for_bit() {
     let first = t.encode_prompt("Name three rivers in Europe.", true).unwrap();
     let mut a = seq(&first, &SamplingParams::greedy()).keeping_prefix();
     run_alone(&t.model, &mut a);
-    let (out, _, prefix) = a.finish_keeping_prefix().unwrap();
+    let (out, _, _, prefix) = a.finish_keeping_prefix().unwrap();
     let prefix = prefix.expect("a finished sequence with its states kept leaves a prefix");
     assert_eq!(prefix.tokens().len(), first.len() + out.len() - 1, "every token but the last, which never ran");
     assert!(prefix.states().is_some());
@@ -661,8 +661,49 @@ fn a_sequence_resumed_from_a_kept_prefix_is_a_fresh_one_bit_for_bit() {
     assert!(started.resume_from(&prefix, 4).is_err());
     let mut plain = Sequence::new(&t.model, None, &first, SpecOptions { tree: TreeChoice::Static(Tree::chain(1)), lookup: None, datastore: None, rule: Rule::Greedy, params: SamplingParams::greedy(), stop: StopRule { max_new_tokens: 4, eos_ids: &[] } }, rng(0)).unwrap();
     run_alone(&t.model, &mut plain);
-    let (_, _, bare) = plain.finish_keeping_prefix().unwrap();
+    let (_, _, _, bare) = plain.finish_keeping_prefix().unwrap();
     let bare = bare.expect("plain decoding keeps its cache without states");
     assert!(bare.states().is_none());
     assert!(seq(&second, &SamplingParams::greedy()).resume_from(&bare, 4).is_err());
+}
+
+/// A conversation's second turn, decoded from the first turn's cache, is what a fresh
+/// sequence over the whole conversation gives; `reset` forgets the turns and the cache.
+#[test]
+fn a_conversations_next_turn_is_the_whole_conversation_decoded_afresh() {
+    use selfspec::model::tokenizer::Message;
+    use selfspec::spec::{Conversation, Sequence};
+    let mut target = smollm2();
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("training/drafters/smollm2-eagle3");
+    let drafter = Drafter::from_dir(&dir, &target).unwrap();
+    drafter.attach(&mut target).unwrap();
+    let t = target;
+    let params = SamplingParams { temperature: 0.7, ..Default::default() };
+    let stop = StopRule { max_new_tokens: 32, eos_ids: &t.tokenizer.eos_ids };
+    let opts = SpecOptions { tree: TreeChoice::Static(Tree::chain(3)), lookup: None, datastore: None, rule: Rule::for_params(&params, false), params: params.clone(), stop };
+    let mut convo = Conversation::new(Some(&drafter), Some("You are brief.".into()));
+    let mut r = rng(11);
+    let mut seen = Vec::new();
+    let first = convo.reply(&t, "Name a river in Europe.", &opts, &mut r, &mut |tok| {
+        seen.push(tok);
+        Ok(selfspec::Flow::Continue)
+    }).unwrap();
+    assert_eq!(seen, first.tokens);
+    assert_eq!(first.stats.cached_prompt_tokens, 0);
+    let r_before = r.clone();
+    let second = convo.reply(&t, "How long is it?", &opts, &mut r, &mut |_| Ok(selfspec::Flow::Continue)).unwrap();
+    assert!(second.stats.cached_prompt_tokens > first.stats.gen.prompt_tokens, "the first turn came from the cache");
+    let msgs = convo.messages();
+    assert_eq!(msgs.len(), 5);
+    assert_eq!((msgs[0].role.as_str(), msgs[2].content.as_str(), msgs[4].content.as_str()), ("system", first.text.as_str(), second.text.as_str()));
+    // Afresh: the system message, the first exchange and the second message, decoded with the
+    // generator as it stood before the second turn.
+    let ids = t.prompt_ids(&msgs[..4]).unwrap();
+    let mut fresh = Sequence::new(&t.model, Some(&drafter), &ids, opts.clone(), r_before).unwrap();
+    run_alone(&t.model, &mut fresh);
+    assert_eq!(fresh.output(), &second.tokens[..]);
+    convo.reset();
+    assert_eq!(convo.messages().len(), 1, "the system message stays");
+    let again = convo.reply(&t, "Name a river in Europe.", &opts, &mut rng(11), &mut |_| Ok(selfspec::Flow::Continue)).unwrap();
+    assert_eq!((again.tokens, again.stats.cached_prompt_tokens), (first.tokens, 0));
 }

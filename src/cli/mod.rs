@@ -2,6 +2,7 @@
 //! library function and printing. Flags shared by several subcommands live in [`args`].
 pub mod args;
 pub mod bench;
+pub mod chat;
 pub mod distill;
 pub mod eval;
 pub mod export;
@@ -28,6 +29,9 @@ pub struct Cli {
 enum Command {
     /// Generate text from a prompt (plain decoding, or self-speculative with --drafter).
     Generate(generate::GenerateArgs),
+    /// An interactive conversation (llama-cli's conversation mode): each turn decoded from the
+    /// last turn's cache, self-speculatively with --drafter.
+    Chat(chat::ChatArgs),
     /// Self-distillation: the target answers each prompt through its chat template (as plain
     /// text for a base model without one); one JSONL
     /// record per answer, appended as soon as it is done (a killed run resumes).
@@ -57,6 +61,7 @@ enum Command {
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Generate(a) => generate::run(a),
+        Command::Chat(a) => chat::run(a),
         Command::Distill(a) => distill::run(a),
         Command::Train(a) => train::run(a),
         Command::Eval(a) => eval::run(a),

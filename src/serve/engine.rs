@@ -395,7 +395,7 @@ fn run(target: &Target, drafter: Option<&Drafter>, datastore: Option<&Datastore>
                 m.requests_cancelled.fetch_add(1, Ordering::Relaxed);
                 let a = active.swap_remove(i);
                 if a.job.cache_prompt && prefixes.budget() > 0 {
-                    if let Ok((_, _, Some(p))) = a.seq.finish_keeping_prefix() {
+                    if let Ok((_, _, _, Some(p))) = a.seq.finish_keeping_prefix() {
                         prefixes.insert(p);
                     }
                 }
@@ -695,7 +695,7 @@ fn finish(a: Active, m: &Metrics, prefixes: &mut PrefixCache) {
     let events = a.job.events.clone();
     let kept = a.answer_tokens;
     let stats = if a.job.cache_prompt && prefixes.budget() > 0 {
-        let (_, stats, prefix) = match a.seq.finish_keeping_prefix() {
+        let (_, stats, _, prefix) = match a.seq.finish_keeping_prefix() {
             Ok(x) => x,
             Err(e) => {
                 m.requests_failed.fetch_add(1, Ordering::Relaxed);

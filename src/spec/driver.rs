@@ -23,6 +23,17 @@ pub fn generate_spec(
     on_token: &mut dyn FnMut(u32) -> Result<Flow>,
 ) -> Result<(Vec<u32>, SpecStats)> {
     let mut seq = Sequence::new(model, Some(drafter), prompt, opts.clone(), rng.clone())?;
+    run_alone(model, &mut seq, &mut |t, _| on_token(t))?;
+    let (out, stats, r) = seq.finish();
+    *rng = r;
+    Ok((out, stats))
+}
+
+/// Step `seq` to its end alone: each step's forward holds its work only (the whole prompt in
+/// one chunk), each tree cut by the sequence's own cost curve. `on_token` sees each emitted
+/// token and whether it was drafted. Returns the target forwards run.
+pub fn run_alone(model: &Llama, seq: &mut Sequence, on_token: &mut dyn FnMut(u32, bool) -> Result<Flow>) -> Result<usize> {
+    let mut forwards = 0;
     while let Some(work) = seq.next_work(model, usize::MAX, true)? {
         let work = seq.cut(work)?;
         let t_fwd = Instant::now();
@@ -32,9 +43,8 @@ pub fn generate_spec(
         let logits = if rows.is_empty() { None } else { Some(model.logits(&hidden.narrow(0, rows.start, rows.len())?)?) };
         let ms = t_fwd.elapsed().as_secs_f64() * 1e3;
         let n = work.tokens().len();
-        seq.finish_work(model, work, hidden, logits, n, ms, &mut |t, _| on_token(t))?;
+        seq.finish_work(model, work, hidden, logits, n, ms, on_token)?;
+        forwards += 1;
     }
-    let (out, stats, r) = seq.finish();
-    *rng = r;
-    Ok((out, stats))
+    Ok(forwards)
 }

@@ -657,7 +657,7 @@ impl<'d> Sequence<'d> {
     /// last token, which never ran) with their KV cache and, when [`Self::keeping_prefix`]
     /// kept them, the target's states: for a later prompt that starts the same way. `None`
     /// when nothing was committed, or a drafter's states were not kept.
-    pub fn finish_keeping_prefix(mut self) -> Result<(Vec<u32>, SpecStats, Option<Prefix>)> {
+    pub fn finish_keeping_prefix(mut self) -> Result<(Vec<u32>, SpecStats, Rng64, Option<Prefix>)> {
         self.score_drafts();
         // A step that stopped partway through its emitted tokens committed the K/V of accepted
         // tokens past the last one emitted: keep only those of emitted ones.
@@ -675,7 +675,7 @@ impl<'d> Sequence<'d> {
             Some(states) if n > 0 => Some(Prefix::new(self.history[..n].to_vec(), self.cache, states)?),
             _ => None,
         };
-        Ok((self.out, self.stats, prefix))
+        Ok((self.out, self.stats, self.rng, prefix))
     }
 
     /// Drafting accuracy per level, scored against what the target emitted.
