@@ -38,30 +38,65 @@ pub struct ChatArgs {
     tree: String,
 }
 
-/// One message from `input`: a line, joined with the next while it ends in `\`. None at the end
-/// of input.
-fn read_message<R: BufRead>(input: &mut R) -> Result<Option<String>> {
-    let mut message = String::new();
+/// What one read of the input gives.
+#[derive(Debug, PartialEq)]
+enum Input {
+    Message(String),
+    /// A message that cannot be taken (too long, not UTF-8), and why; the session goes on.
+    Refused(String),
+    End,
+}
+
+/// One message from `input`: a line, joined with the next while it ends in `\`. A message past
+/// [`MAX_MESSAGE`] bytes is refused (the rest of its line skipped) without reading it whole.
+fn read_message<R: BufRead>(input: &mut R) -> std::io::Result<Input> {
+    let mut message: Vec<u8> = Vec::new();
     loop {
-        let mut line = String::new();
-        let n = <&mut R as std::io::Read>::take(&mut *input, (MAX_MESSAGE + 1 - message.len().min(MAX_MESSAGE)) as u64).read_line(&mut line)?;
+        let mut line = Vec::new();
+        let room = MAX_MESSAGE - message.len();
+        // A line end more than the room allows is still read: it is not part of the message.
+        let n = <&mut R as std::io::Read>::take(&mut *input, room as u64 + 2).read_until(b'\n', &mut line)?;
         if n == 0 {
-            return Ok((!message.is_empty()).then_some(message));
+            return Ok(if message.is_empty() { Input::End } else { text(message) });
         }
-        if message.len() + line.len() > MAX_MESSAGE {
-            bail!("a message longer than {} MiB", MAX_MESSAGE >> 20);
+        let ended = line.ends_with(b"\n");
+        while line.last().is_some_and(|&b| b == b'\n' || b == b'\r') {
+            line.pop();
         }
-        let line = line.trim_end_matches(['\n', '\r']);
-        match line.strip_suffix('\\') {
-            Some(part) => {
-                message.push_str(part);
-                message.push('\n');
+        if line.len() > room {
+            if !ended {
+                let mut rest = Vec::new();
+                input.read_until(b'\n', &mut rest)?;
             }
-            None => {
-                message.push_str(line);
-                return Ok(Some(message));
+            return Ok(Input::Refused(format!("a message of more than {} MiB", MAX_MESSAGE >> 20)));
+        }
+        match line.strip_suffix(b"\\") {
+            Some(part) if ended => {
+                message.extend_from_slice(part);
+                message.push(b'\n');
+            }
+            _ => {
+                message.extend_from_slice(&line);
+                return Ok(text(message));
             }
         }
+    }
+}
+
+fn text(bytes: Vec<u8>) -> Input {
+    match String::from_utf8(bytes) {
+        Ok(s) => Input::Message(s),
+        Err(e) => Input::Refused(format!("a message that is not UTF-8 text (byte {})", e.utf8_error().valid_up_to())),
+    }
+}
+
+/// `r`, with a reader that went away (`| head`) turned into `Ok(false)`: the session ends
+/// quietly, as `generate` does.
+fn written(r: std::io::Result<()>) -> Result<bool> {
+    match r {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(false),
+        Err(e) => Err(anyhow::anyhow!("standard output: {e}")),
     }
 }
 
@@ -98,7 +133,14 @@ pub fn run(a: ChatArgs) -> Result<()> {
         if interactive {
             eprint!("> ");
         }
-        let Some(message) = read_message(&mut input)? else { break };
+        let message = match read_message(&mut input)? {
+            Input::Message(m) => m,
+            Input::Refused(why) => {
+                eprintln!("error: {why}: not sent");
+                continue;
+            }
+            Input::End => break,
+        };
         match message.trim() {
             "" => continue,
             "/exit" | "/quit" => break,
@@ -122,8 +164,9 @@ pub fn run(a: ChatArgs) -> Result<()> {
         match convo.reply(&target, &message, &opts, &mut r, &mut print) {
             Ok(reply) => {
                 let rest = stream.finish()?.unwrap_or_default();
-                writeln!(stdout, "{rest}")?;
-                stdout.flush()?;
+                if !written(writeln!(stdout, "{rest}").and_then(|_| stdout.flush()))? {
+                    return Ok(());
+                }
                 let g = &reply.stats.gen;
                 eprintln!(
                     "[{} tokens, {:.1} tok/s, tau {:.2} tokens/forward (bonus token counted; plain = 1.00); prompt {} tokens, {} from the last turn's cache]",
@@ -136,7 +179,9 @@ pub fn run(a: ChatArgs) -> Result<()> {
             }
             Err(selfspec::Error::Io { err, .. }) if err.kind() == std::io::ErrorKind::BrokenPipe => return Ok(()),
             Err(e) => {
-                writeln!(stdout)?;
+                if !written(writeln!(stdout).and_then(|_| stdout.flush()))? {
+                    return Ok(());
+                }
                 eprintln!("error: {e} (the turn is not kept; /reset starts over)");
             }
         }
@@ -150,12 +195,23 @@ mod tests {
 
     #[test]
     fn a_message_is_a_line_or_lines_joined_by_a_trailing_backslash() {
-        let mut input = std::io::Cursor::new("hello\r\nfirst \\\nsecond\nlast without newline");
-        assert_eq!(read_message(&mut input).unwrap().as_deref(), Some("hello"));
-        assert_eq!(read_message(&mut input).unwrap().as_deref(), Some("first \nsecond"));
-        assert_eq!(read_message(&mut input).unwrap().as_deref(), Some("last without newline"));
-        assert_eq!(read_message(&mut input).unwrap(), None);
-        let long = "x".repeat(MAX_MESSAGE + 10);
-        assert!(read_message(&mut std::io::Cursor::new(long)).is_err(), "a message past the bound is refused");
+        let mut input = std::io::Cursor::new("hello\r\nfirst \\\nsecond\nlast without newline".as_bytes());
+        assert_eq!(read_message(&mut input).unwrap(), Input::Message("hello".into()));
+        assert_eq!(read_message(&mut input).unwrap(), Input::Message("first \nsecond".into()));
+        assert_eq!(read_message(&mut input).unwrap(), Input::Message("last without newline".into()));
+        assert_eq!(read_message(&mut input).unwrap(), Input::End);
+        // Too long: refused, its line skipped, the next message read as usual; exactly the
+        // bound is taken.
+        let mut long = "x".repeat(MAX_MESSAGE + 10);
+        long.push_str("\nnext\n");
+        long.push_str(&"y".repeat(MAX_MESSAGE));
+        long.push('\n');
+        let mut input = std::io::Cursor::new(long.into_bytes());
+        assert!(matches!(read_message(&mut input).unwrap(), Input::Refused(w) if w.contains("more than 1 MiB")));
+        assert_eq!(read_message(&mut input).unwrap(), Input::Message("next".into()));
+        assert!(matches!(read_message(&mut input).unwrap(), Input::Message(m) if m.len() == MAX_MESSAGE));
+        let mut input = std::io::Cursor::new(b"caf\xe9\nok\n".to_vec());
+        assert!(matches!(read_message(&mut input).unwrap(), Input::Refused(w) if w.contains("not UTF-8")));
+        assert_eq!(read_message(&mut input).unwrap(), Input::Message("ok".into()));
     }
 }

@@ -42,8 +42,8 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 1 << 20)]
     max_body: usize,
     /// MiB of finished requests' KV caches kept, so a prompt that starts as an earlier one did
-    /// (a chat's next turn, a shared system prompt) runs only its new tokens; answers are the
-    /// same bits either way. 0 turns it off; a request's `"cache_prompt": false` opts out.
+    /// (a chat's next turn, a shared system prompt) runs only its new tokens; on the CPU answers
+    /// are the same bits either way. 0 turns it off; a request's `"cache_prompt": false` opts out.
     #[arg(long, default_value_t = 512, value_name = "MIB")]
     prompt_cache: usize,
     /// Require `Authorization: Bearer KEY` on /v1/* and /metrics (or set SELFSPEC_API_KEY).

@@ -156,16 +156,33 @@ impl Drafter {
     /// Drafting state for one generation, after the target's prefill: `hidden` holds the
     /// prompt's features `[n, d]`, `first` is the token the target chose after the prompt.
     pub fn start<'a>(&'a self, model: &Llama, hidden: &Tensor, prompt: &[u32], first: u32) -> Result<DraftState<'a>> {
+        self.start_after(model, hidden, prompt, first, None)
+    }
+
+    /// [`Self::start`], with a draft layer's first pairs taken from `kept` (a finished
+    /// generation's draft cache, [`DraftState::into_layer_cache`], whose pair p read the
+    /// target's state at p and token p + 1; at most `prompt.len() - 1` of them are used, all of
+    /// whose tokens are this prompt's): the layer runs over the prompt's other rows only. Each
+    /// pair depends only on its own inputs and those before it, so the state is the one a
+    /// fresh start reaches. Heads ignore `kept`.
+    pub fn start_after<'a>(&'a self, model: &Llama, hidden: &Tensor, prompt: &[u32], first: u32, kept: Option<&KvCache>) -> Result<DraftState<'a>> {
         let n = prompt.len();
         match self {
             Drafter::Heads(h) => Ok(DraftState::Heads { heads: h, h_last: hidden.narrow(0, n - 1, 1)? }),
             Drafter::Layer(l) => {
                 l.check_target_states(hidden)?;
-                let mut cache = l.new_cache()?;
-                let mut next: Vec<u32> = prompt[1..].to_vec();
+                let (k, mut cache) = match kept {
+                    Some(c) => {
+                        let k = c.len().min(n - 1);
+                        (k, c.prefix_copy(k)?)
+                    }
+                    None => (0, l.new_cache()?),
+                };
+                let mut next: Vec<u32> = prompt[k + 1..].to_vec();
                 next.push(first);
-                let out = l.forward(hidden, &next, &(0..n).collect::<Vec<_>>(), &TreeMask::causal(n), &mut cache, model)?;
-                Ok(DraftState::Layer { layer: l, cache, root_feat: out.narrow(0, n - 1, 1)? })
+                let rows = n - k;
+                let out = l.forward(&hidden.narrow(0, k, rows)?, &next, &(k..n).collect::<Vec<_>>(), &TreeMask::causal(rows), &mut cache, model)?;
+                Ok(DraftState::Layer { layer: l, cache, root_feat: out.narrow(0, rows - 1, 1)? })
             }
         }
     }
@@ -202,6 +219,15 @@ pub enum DraftState<'a> {
 }
 
 impl DraftState<'_> {
+    /// A draft layer's cache of committed pairs (None for heads), for
+    /// [`Drafter::start_after`] in a later generation that starts the same way.
+    pub fn into_layer_cache(self) -> Option<KvCache> {
+        match self {
+            DraftState::Layer { cache, .. } => Some(cache),
+            DraftState::Heads { .. } => None,
+        }
+    }
+
     /// Draft a tree under `root` (the last emitted token). `keep` = guesses recorded per level.
     /// `min_expand`: for `auto` trees, a path probability below which a node is not expanded
     /// (nothing under it could be worth verifying).

@@ -173,10 +173,16 @@ impl KvCache {
     /// what it would after a fresh prefill of the same tokens, since every row's K/V depends
     /// only on the tokens up to it (batch-invariant kernels).
     pub fn prefix_copy(&self, n: usize) -> Result<KvCache> {
+        self.prefix_copy_with_room(n, 0)
+    }
+
+    /// [`Self::prefix_copy`] with capacity for `room` more tokens (within the context), so the
+    /// tokens that follow do not make it grow (and copy itself) at once.
+    pub fn prefix_copy_with_room(&self, n: usize, room: usize) -> Result<KvCache> {
         if n > self.len {
             return Err(Error::InvalidArgument(format!("prefix_copy({n}) of a cache holding {} tokens", self.len)));
         }
-        let capacity = 256.max(n).min(self.max_len.max(1));
+        let capacity = 256.max(n.saturating_add(room)).min(self.max_len.max(1));
         let mut layers = Vec::with_capacity(self.layers.len());
         for l in &self.layers {
             let copy = |t: &Tensor| -> Result<Tensor> {
@@ -251,6 +257,8 @@ mod tests {
                 c.write(layer, &k, &v).unwrap();
             }
             c.append(300).unwrap();
+            assert_eq!(c.prefix_copy_with_room(260, 500).unwrap().bytes(), 760 * c.bytes_per_token(), "room for 500 more");
+            assert_eq!(c.prefix_copy_with_room(260, 5000).unwrap().bytes(), 1000 * c.bytes_per_token(), "within the context");
             let mut p = c.prefix_copy(260).unwrap();
             assert_eq!(p.len(), 260);
             assert_eq!(p.bytes_per_token(), 2 * 2 * 2 * 3 * dtype.size_in_bytes());

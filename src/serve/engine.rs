@@ -59,6 +59,14 @@ pub struct Job {
     pub events: UnboundedSender<Event>,
 }
 
+impl Job {
+    /// Whether this request uses and feeds the prompt cache: asked to (`cache_prompt`), and
+    /// not scoring its prompt (echo with log-probabilities runs every prompt row).
+    fn caches(&self) -> bool {
+        self.cache_prompt && !(self.logprobs.is_some() && self.echo.is_some())
+    }
+}
+
 /// One answer token's log-probability as an API lists it (the target's raw distribution, see
 /// [`crate::decode::sampling::token_logprobs`]): the token's text and bytes, and its likeliest
 /// alternatives likewise, best first.
@@ -334,25 +342,29 @@ fn run(target: &Target, drafter: Option<&Drafter>, datastore: Option<&Datastore>
                 params: job.params.clone(),
                 stop: StopRule { max_new_tokens: job.max_tokens, eos_ids: if job.ignore_eos { &[] } else { &target.tokenizer.eos_ids } },
             };
-            let caching = cfg.prompt_cache > 0 && job.cache_prompt;
-            let start = || {
-                let seq = Sequence::new(model, drafter, &job.prompt, opts, rng(job.seed))?;
-                let seq = match (job.logprobs, job.echo.is_some()) {
-                    (Some(top), true) => return Ok(seq.with_logprobs(top).with_prompt_logprobs(top)),
+            let scoring = job.logprobs.is_some() && job.echo.is_some();
+            let caching = cfg.prompt_cache > 0 && job.caches();
+            let fresh = || -> Result<Sequence> {
+                let seq = Sequence::new(model, drafter, &job.prompt, opts.clone(), rng(job.seed))?;
+                let seq = match (job.logprobs, scoring) {
+                    (Some(top), true) => seq.with_logprobs(top).with_prompt_logprobs(top),
                     (Some(top), false) => seq.with_logprobs(top),
                     (None, _) => seq,
                 };
-                if !caching {
-                    return Ok(seq);
-                }
-                let seq = seq.keeping_prefix();
-                match prefixes.lookup(&job.prompt) {
-                    Some((p, n)) => {
+                Ok(if caching { seq.keeping_prefix() } else { seq })
+            };
+            let start = || {
+                let seq = fresh()?;
+                let Some((p, n)) = caching.then(|| prefixes.lookup(&job.prompt)).flatten() else { return Ok(seq) };
+                match seq.resume_from(p, n) {
+                    Ok(seq) => {
                         m.prompt_cache_hits.fetch_add(1, Ordering::Relaxed);
                         m.cached_prompt_tokens.fetch_add(n as u64, Ordering::Relaxed);
-                        seq.resume_from(p, n)
+                        Ok(seq)
                     }
-                    None => Ok(seq),
+                    // The cache is an optimisation: a copy that failed leaves the request to
+                    // run its whole prompt.
+                    Err(_) => fresh(),
                 }
             };
             match catching(start) {
@@ -394,8 +406,8 @@ fn run(target: &Target, drafter: Option<&Drafter>, datastore: Option<&Datastore>
                 // next turn.
                 m.requests_cancelled.fetch_add(1, Ordering::Relaxed);
                 let a = active.swap_remove(i);
-                if a.job.cache_prompt && prefixes.budget() > 0 {
-                    if let Ok((_, _, _, Some(p))) = a.seq.finish_keeping_prefix() {
+                if a.job.caches() && prefixes.budget() > 0 {
+                    if let (_, _, _, Some(p)) = a.seq.finish_keeping_prefix() {
                         prefixes.insert(p);
                     }
                 }
@@ -694,15 +706,8 @@ fn finish(a: Active, m: &Metrics, prefixes: &mut PrefixCache) {
     let seed = a.job.seed;
     let events = a.job.events.clone();
     let kept = a.answer_tokens;
-    let stats = if a.job.cache_prompt && prefixes.budget() > 0 {
-        let (_, stats, _, prefix) = match a.seq.finish_keeping_prefix() {
-            Ok(x) => x,
-            Err(e) => {
-                m.requests_failed.fetch_add(1, Ordering::Relaxed);
-                let _ = events.send(Event::Failed(format!("decoding failed: {e}")));
-                return;
-            }
-        };
+    let stats = if a.job.caches() && prefixes.budget() > 0 {
+        let (_, stats, _, prefix) = a.seq.finish_keeping_prefix();
         if let Some(p) = prefix {
             prefixes.insert(p);
         }

@@ -63,7 +63,7 @@ impl<'d> Conversation<'d> {
             seq = seq.resume_from(p, n)?;
         }
         run_alone(&target.model, &mut seq, &mut |t, _| on_token(t))?;
-        let (tokens, stats, next_rng, prefix) = seq.finish_keeping_prefix()?;
+        let (tokens, stats, next_rng, prefix) = seq.finish_keeping_prefix();
         let eos = tokens.last().is_some_and(|t| opts.stop.eos_ids.contains(t));
         let text = target.tokenizer.decode(&tokens[..tokens.len() - eos as usize])?;
         *rng = next_rng;

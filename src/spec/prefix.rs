@@ -6,9 +6,9 @@
 //! (llama.cpp's `cache_prompt`, vLLM's automatic prefix caching).
 //!
 //! Why it cannot change an answer: a token's K/V and final state depend only on the tokens up
-//! to it, and the kernels give a row the same bits whether it runs in a prompt chunk, a tree or
-//! alone (batch invariance). So the copied values are the ones a fresh prefill would write, and
-//! the drafter restarts from the same states (`tests/serve.rs` checks answers against
+//! to it, and the CPU kernels give a row the same bits whether it runs in a prompt chunk, a tree
+//! or alone (batch invariance; candle's GPU kernels do not). So the copied values are the ones a
+//! fresh prefill would write, and the drafter restarts from the same states and pairs (`tests/serve.rs` checks answers against
 //! `generate` with and without the cache).
 use candle_core::Tensor;
 
@@ -22,11 +22,16 @@ pub struct Prefix {
     /// The target's states for each token (`[tokens, width]`), what a drafter starts from;
     /// `None` when no drafter reads them.
     states: Option<Tensor>,
+    /// A draft layer's committed pairs over the first tokens (pair p: the state at p and token
+    /// p + 1), so a later start runs the layer over the new rows only
+    /// ([`crate::draft::drafter::Drafter::start_after`]).
+    draft: Option<KvCache>,
 }
 
 impl Prefix {
-    /// `cache` must hold exactly `tokens`, and `states` (when given) one row per token.
-    pub fn new(tokens: Vec<u32>, cache: KvCache, states: Option<Tensor>) -> Result<Self> {
+    /// `cache` must hold exactly `tokens`, `states` (when given) one row per token, and
+    /// `draft` at most one pair per token.
+    pub fn new(tokens: Vec<u32>, cache: KvCache, states: Option<Tensor>, draft: Option<KvCache>) -> Result<Self> {
         if cache.len() != tokens.len() {
             return Err(Error::InvalidArgument(format!("a prefix of {} tokens with a cache of {}", tokens.len(), cache.len())));
         }
@@ -35,7 +40,12 @@ impl Prefix {
                 return Err(Error::InvalidArgument(format!("a prefix of {} tokens with {} state rows", tokens.len(), s.dim(0)?)));
             }
         }
-        Ok(Prefix { tokens, cache, states })
+        if let Some(d) = &draft {
+            if d.len() > tokens.len() {
+                return Err(Error::InvalidArgument(format!("a prefix of {} tokens with {} draft pairs", tokens.len(), d.len())));
+            }
+        }
+        Ok(Prefix { tokens, cache, states, draft })
     }
 
     pub fn tokens(&self) -> &[u32] {
@@ -47,10 +57,13 @@ impl Prefix {
     pub fn states(&self) -> Option<&Tensor> {
         self.states.as_ref()
     }
+    pub fn draft(&self) -> Option<&KvCache> {
+        self.draft.as_ref()
+    }
 
-    /// Bytes held: the cache's allocation and the states.
+    /// Bytes held: the caches' allocations and the states.
     pub fn bytes(&self) -> usize {
-        self.cache.bytes() + self.states.as_ref().map_or(0, |s| s.elem_count() * s.dtype().size_in_bytes())
+        self.cache.bytes() + self.states.as_ref().map_or(0, |s| s.elem_count() * s.dtype().size_in_bytes()) + self.draft.as_ref().map_or(0, KvCache::bytes)
     }
 
     /// How many of `prompt`'s first tokens this prefix can stand for: the common start, less
@@ -140,7 +153,7 @@ mod tests {
         c.write(0, &k, &k).unwrap();
         c.append(n).unwrap();
         let s = states.then(|| Tensor::zeros((n, 3), DType::F32, &dev).unwrap());
-        Prefix::new(tokens.to_vec(), c, s).unwrap()
+        Prefix::new(tokens.to_vec(), c, s, None).unwrap()
     }
 
     #[test]
@@ -152,9 +165,13 @@ mod tests {
         assert_eq!(p.usable(&[7]), 0);
         assert_eq!(p.bytes(), 256 * 2 * 2 * 4 + 4 * 3 * 4, "a 256-slot cache and 4 rows of states");
         let c = KvCache::new(1, 1, 2, 8, DType::F32, &Device::Cpu).unwrap();
-        assert!(Prefix::new(vec![1], c, None).is_err(), "a cache that does not hold the tokens");
+        assert!(Prefix::new(vec![1], c, None, None).is_err(), "a cache that does not hold the tokens");
         let c = prefix(&[1, 2], false).cache.prefix_copy(2).unwrap();
-        assert!(Prefix::new(vec![1, 2], c, Some(Tensor::zeros((3, 3), DType::F32, &Device::Cpu).unwrap())).is_err());
+        assert!(Prefix::new(vec![1, 2], c.prefix_copy(2).unwrap(), Some(Tensor::zeros((3, 3), DType::F32, &Device::Cpu).unwrap()), None).is_err());
+        let three = prefix(&[1, 2, 3], false).cache;
+        assert!(Prefix::new(vec![1, 2], c.prefix_copy(2).unwrap(), None, Some(three)).is_err(), "more draft pairs than tokens");
+        let with_draft = Prefix::new(vec![1, 2], c.prefix_copy(2).unwrap(), None, Some(c.prefix_copy(1).unwrap())).unwrap();
+        assert_eq!(with_draft.bytes(), 2 * c.bytes(), "both caches counted");
     }
 
     #[test]

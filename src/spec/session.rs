@@ -213,6 +213,13 @@ pub struct Sequence<'d> {
     /// The target's states of the committed tokens, in order, kept for [`Self::finish_keeping_prefix`]
     /// when a drafter reads them (`None`: not kept).
     kept_states: Option<Vec<Tensor>>,
+    /// The drafter's cache of committed pairs once decoding ended (kept with `kept_states`).
+    kept_draft: Option<KvCache>,
+    /// Whether the drafter's pair p still reads the target's state at p: false once a skipped
+    /// step's pair was dropped from `lag` (the drafter then never saw it).
+    draft_aligned: bool,
+    /// Pairs a resumed sequence's drafter starts with ([`Drafter::start_after`]).
+    resume_draft: Option<KvCache>,
 }
 
 impl<'d> Sequence<'d> {
@@ -268,6 +275,9 @@ impl<'d> Sequence<'d> {
             token_logprobs: Vec::new(),
             prompt_logprobs: None,
             kept_states: None,
+            kept_draft: None,
+            draft_aligned: true,
+            resume_draft: None,
         })
     }
 
@@ -291,13 +301,18 @@ impl<'d> Sequence<'d> {
         }
         if self.drafter.is_some() {
             let states = prefix.states().ok_or_else(|| Error::InvalidArgument("the prefix has no target states for the drafter".into()))?;
-            let rows = states.narrow(0, 0, n)?;
+            // A copy: a view would keep the whole prefix's states alive after it is evicted.
+            let rows = states.narrow(0, 0, n)?.copy()?;
             if let Some(k) = self.kept_states.as_mut() {
                 k.push(rows.clone());
             }
             hidden.push(rows);
+            // Pair p also read token p + 1: the prompt's own only below n.
+            self.resume_draft = prefix.draft().map(|d| d.prefix_copy(d.len().min(n - 1))).transpose()?;
         }
-        self.cache = prefix.cache().prefix_copy(n)?;
+        // Room for the rest of the prompt and a first stretch of answer: no regrowing copy at
+        // the first chunk.
+        self.cache = prefix.cache().prefix_copy_with_room(n, self.prompt_len - n + 256)?;
         self.phase = Phase::Prefill { done: n, hidden: std::mem::take(hidden) };
         self.stats.cached_prompt_tokens = n;
         Ok(self)
@@ -376,7 +391,16 @@ impl<'d> Sequence<'d> {
     }
     /// End the sequence now (a stop string matched, the client left): no more work.
     pub fn stop(&mut self) {
-        self.phase = Phase::Done;
+        self.end();
+    }
+
+    /// Phase `Done`, keeping the drafter's committed pairs when the prefix is kept.
+    fn end(&mut self) {
+        if let Phase::Decode(Some(state)) = std::mem::replace(&mut self.phase, Phase::Done) {
+            if self.kept_states.is_some() && self.draft_aligned {
+                self.kept_draft = state.into_layer_cache();
+            }
+        }
     }
 
     /// The next piece of work: up to `prefill_chunk` prompt tokens while the prompt is being
@@ -397,7 +421,7 @@ impl<'d> Sequence<'d> {
                 self.exploring = None;
                 let committed = self.cache.len();
                 if committed + 1 >= self.max_pos {
-                    self.phase = Phase::Done;
+                    self.end();
                     return Ok(None);
                 }
                 let root = *self.out.last().expect("decoding starts after the first token");
@@ -553,7 +577,7 @@ impl<'d> Sequence<'d> {
                 let done = self.emit(first, false, on_token)?;
                 self.phase = match (done, self.drafter, states) {
                     (true, _, _) => Phase::Done,
-                    (false, Some(d), Some(states)) => Phase::Decode(Some(d.start(model, &states, &self.history[..self.prompt_len], first)?)),
+                    (false, Some(d), Some(states)) => Phase::Decode(Some(d.start_after(model, &states, &self.history[..self.prompt_len], first, self.resume_draft.take().as_ref())?)),
                     (false, _, _) => Phase::Decode(None),
                 };
             }
@@ -620,12 +644,13 @@ impl<'d> Sequence<'d> {
                 match (&mut self.phase, done) {
                     (Phase::Decode(Some(_)), false) if self.skipping => {
                         if self.lag.len() == LAG_KEEP {
+                            self.draft_aligned = false;
                             self.lag.remove(0);
                         }
                         self.lag.push((hidden.narrow(0, 0, 1)?.copy()?, verdict.emitted[0]));
                     }
                     (Phase::Decode(Some(state)), false) => state.commit(model, &hidden, &verdict.accepted, &verdict.emitted)?,
-                    (_, true) => self.phase = Phase::Done,
+                    (_, true) => self.end(),
                     _ => {}
                 }
                 self.stats.time.verify += (t_commit - t_verify).as_secs_f64();
@@ -653,29 +678,18 @@ impl<'d> Sequence<'d> {
         (self.out, self.stats, self.rng)
     }
 
-    /// [`Self::finish`], also handing back the committed tokens (prompt and answer, less the
-    /// last token, which never ran) with their KV cache and, when [`Self::keeping_prefix`]
-    /// kept them, the target's states: for a later prompt that starts the same way. `None`
-    /// when nothing was committed, or a drafter's states were not kept.
-    pub fn finish_keeping_prefix(mut self) -> Result<(Vec<u32>, SpecStats, Rng64, Option<Prefix>)> {
+    /// [`Self::finish`], also handing back the committed tokens (prompt and answer: every
+    /// token whose K/V the cache holds, which is all but the last emitted one, or all of them
+    /// when the last step stopped partway through its accepted tokens) with their KV cache and,
+    /// when [`Self::keeping_prefix`] kept them, the target's states and the draft layer's pairs:
+    /// for a later prompt that starts the same way. `None` when nothing was committed, a
+    /// drafter's states were not kept (or fell short, as when the prompt was cut off midway), or
+    /// the copy failed: the answer stands either way.
+    pub fn finish_keeping_prefix(mut self) -> (Vec<u32>, SpecStats, Rng64, Option<Prefix>) {
         self.score_drafts();
-        // A step that stopped partway through its emitted tokens committed the K/V of accepted
-        // tokens past the last one emitted: keep only those of emitted ones.
-        let n = self.cache.len().min(self.history.len());
-        self.cache.truncate(n);
-        let states = match (self.drafter, self.kept_states.take()) {
-            (None, _) => Some(None),
-            (Some(_), Some(rows)) if !rows.is_empty() => {
-                let all = Tensor::cat(&rows, 0)?;
-                (all.dim(0)? >= n).then(|| all.narrow(0, 0, n).and_then(|t| t.copy())).transpose()?.map(Some)
-            }
-            (Some(_), _) => None,
-        };
-        let prefix = match states {
-            Some(states) if n > 0 => Some(Prefix::new(self.history[..n].to_vec(), self.cache, states)?),
-            _ => None,
-        };
-        Ok((self.out, self.stats, self.rng, prefix))
+        self.end();
+        let prefix = kept_prefix(self.drafter.is_some(), &self.history, self.cache, self.kept_states.take(), self.kept_draft.take()).ok().flatten();
+        (self.out, self.stats, self.rng, prefix)
     }
 
     /// Drafting accuracy per level, scored against what the target emitted.
@@ -695,6 +709,40 @@ impl<'d> Sequence<'d> {
         self.stats.gen.prompt_tokens = self.prompt_len;
         self.stats.gen.new_tokens = self.out.len();
     }
+}
+
+/// The prefix a finished sequence leaves: its committed tokens (`history`'s first
+/// `cache.len()`, fewer when the history is shorter) with their K/V, and for a drafter the
+/// target's states (at least one row per token, else nothing is kept) and the draft layer's
+/// pairs.
+fn kept_prefix(drafting: bool, history: &[u32], mut cache: KvCache, states: Option<Vec<Tensor>>, draft: Option<KvCache>) -> Result<Option<Prefix>> {
+    // A step that stopped partway through its emitted tokens committed the K/V of accepted
+    // tokens past the last one emitted: keep only those of emitted ones.
+    let n = cache.len().min(history.len());
+    if n == 0 {
+        return Ok(None);
+    }
+    cache.truncate(n);
+    let states = match (drafting, states) {
+        (false, _) => None,
+        (true, Some(rows)) if !rows.is_empty() => {
+            let all = Tensor::cat(&rows, 0)?;
+            if all.dim(0)? < n {
+                return Ok(None);
+            }
+            Some(all.narrow(0, 0, n)?.copy()?)
+        }
+        _ => return Ok(None),
+    };
+    let draft = draft.map(|mut d| {
+        d.truncate(n);
+        d
+    });
+    // Grown by doubling, the cache may hold up to twice the slots it uses: kept so, it would
+    // count double against the prompt cache's budget, so a roomy one is copied down to size.
+    let tight = n.max(256) * cache.bytes_per_token();
+    let cache = if cache.bytes() > tight + tight / 4 { cache.prefix_copy(n)? } else { cache };
+    Ok(Some(Prefix::new(history[..n].to_vec(), cache, states, draft)?))
 }
 
 #[cfg(test)]
