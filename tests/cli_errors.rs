@@ -363,3 +363,11 @@ fn chat_answers_each_piped_message_and_reuses_the_last_turn() {
     assert_ne!(code, Some(0));
     assert!(err.contains("--max-tokens must be at least 1") && !err.contains("panicked"), "{err}");
 }
+
+/// `serve`'s sizes are checked before the model loads.
+#[test]
+fn serve_refuses_out_of_range_sizes_before_loading() {
+    expect_error(&["serve", "--model", "never-read.gguf", "--prompt-cache", "2000000"], &["--prompt-cache", "1048576"]);
+    expect_error(&["serve", "--model", "never-read.gguf", "--max-batch", "0"], &["--max-batch"]);
+    expect_error(&["serve", "--model", "never-read.gguf", "--queue", "0"], &["--queue"]);
+}
