@@ -36,7 +36,7 @@ def generate(ctx):
     if not WRITTEN.exists():
         raise SourceMissing(f"{WRITTEN}: the target's own prompts (the selfspec distill --self-prompts command in "
                             "training/promptgen/distill12.py)")
-    recs = [json.loads(l) for l in WRITTEN.read_text(encoding="utf-8").splitlines() if l.strip()]
+    recs = [json.loads(l) for l in WRITTEN.read_text(encoding="utf-8").split("\n") if l.strip()]
     recs.sort(key=lambda r: int(r["question_id"].split("-")[1]))
     ids = {}
     for r in recs:
