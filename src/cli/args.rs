@@ -183,6 +183,21 @@ impl DrafterArgs {
         })
     }
 
+    /// Load the target (`model`), this drafter and its datastore, and say on stderr what was
+    /// loaded and, for a model without a chat template, that `joined` reach it as plain text:
+    /// what the commands that hold a conversation (`serve`, `chat`) start with.
+    pub fn load_with(&self, model: &ModelArgs, joined: &str) -> Result<(Target, Option<Drafter>, Option<Datastore>)> {
+        let t0 = std::time::Instant::now();
+        let mut target = model.load()?;
+        let drafter = self.load(&mut target)?;
+        let datastore = self.datastore(&target)?;
+        eprintln!("loaded {} ({} weights){} in {:.2} s", target.path.display(), target.model.weight_format(), if drafter.is_some() { " and its drafter" } else { "" }, t0.elapsed().as_secs_f64());
+        if let Some(n) = target.plain_prompts_note() {
+            eprintln!("{n} ({joined} are joined as plain text)");
+        }
+        Ok((target, drafter, datastore))
+    }
+
     /// Index the `--datastore` inputs, if any were named.
     pub fn datastore(&self, target: &Target) -> Result<Option<Datastore>> {
         if self.datastore.is_empty() {

@@ -106,14 +106,7 @@ pub fn run(a: ChatArgs) -> Result<()> {
         bail!("--max-tokens must be at least 1");
     }
     let plan = Plan::parse(&a.tree)?;
-    let t0 = std::time::Instant::now();
-    let mut target = a.model.load()?;
-    let drafter = a.drafter.load(&mut target)?;
-    let datastore = a.drafter.datastore(&target)?;
-    eprintln!("loaded {} ({} weights){} in {:.2} s", target.path.display(), target.model.weight_format(), if drafter.is_some() { " and its drafter" } else { "" }, t0.elapsed().as_secs_f64());
-    if let Some(n) = target.plain_prompts_note() {
-        eprintln!("{n} (the turns are joined as plain text)");
-    }
+    let (target, drafter, datastore) = a.drafter.load_with(&a.model, "the turns")?;
     let opts = SpecOptions {
         tree: plan.tree,
         lookup: plan.lookup,

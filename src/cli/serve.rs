@@ -72,14 +72,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         Some(n) => n,
         None => a.model.model.file_stem().map_or_else(|| "model".to_string(), |s| s.to_string_lossy().into_owned()),
     };
-    let t0 = std::time::Instant::now();
-    let mut target = a.model.load()?;
-    let drafter = a.drafter.load(&mut target)?;
-    let datastore = a.drafter.datastore(&target)?;
-    eprintln!("loaded {} ({} weights){} in {:.2} s", target.path.display(), target.model.weight_format(), if drafter.is_some() { " and its drafter" } else { "" }, t0.elapsed().as_secs_f64());
-    if let Some(n) = target.plain_prompts_note() {
-        eprintln!("{n} (chat requests are joined as plain text)");
-    }
+    let (target, drafter, datastore) = a.drafter.load_with(&a.model, "chat requests")?;
     let cfg = ServeConfig {
         addr: SocketAddr::new(a.host, a.port),
         model_name: model_name.clone(),

@@ -178,6 +178,7 @@ mod tests {
     fn the_longest_match_is_found_and_the_least_recently_used_goes_first() {
         let one = prefix(&[1], false).bytes();
         let mut pc = PrefixCache::new(2 * one);
+        assert_eq!((pc.budget(), pc.len(), pc.bytes()), (2 * one, 0, 0));
         pc.insert(prefix(&[1, 2, 3], false));
         pc.insert(prefix(&[1, 2, 3, 4, 5], false));
         assert_eq!(pc.len(), 1, "the longer one extends the first and stands for it");

@@ -37,17 +37,25 @@ def usable(p):
             and all(c.isprintable() or c in "\n\t" for c in p))
 
 
-def generate(ctx):
-    if not WRITTEN.exists():
-        raise SourceMissing(f"{WRITTEN}: the target's own prompts (the selfspec distill --self-prompts command in "
-                            "training/promptgen/distill11.py)")
-    recs = [json.loads(l) for l in WRITTEN.read_text(encoding="utf-8").splitlines() if l.strip()]
+def finished(written, module):
+    """The usable finished prompts of a `distill --self-prompts` file, in prompt order, each with
+    its first question_id. Lines end at "\n" only: a prompt may hold U+2028, which splitlines()
+    would split at."""
+    if not written.exists():
+        raise SourceMissing(f"{written}: the target's own prompts (the selfspec distill --self-prompts command in "
+                            f"training/promptgen/{module}.py)")
+    recs = [json.loads(l) for l in written.read_text(encoding="utf-8").split("\n") if l.strip()]
     recs.sort(key=lambda r: int(r["question_id"].split("-")[1]))
     ids = {}
     for r in recs:
         p = r["prompt"].strip()
         if r["finished"] and usable(p):
             ids.setdefault(p, r["question_id"])
+    return ids
+
+
+def generate(ctx):
+    ids = finished(WRITTEN, "distill11")
     prompts = keep(list(ids), BANNED_WIDER, ctx.held_out(),
                    ctx.seen(["distill", "distill2", "distill3", "distill4", "distill5", "distill6", "distill7", "distill8",
                              "distill9", "distill10"]))

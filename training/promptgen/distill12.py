@@ -21,28 +21,18 @@ chat-template tokens, none touching the eval or tune prompts' topics, none repea
 set's prompt) and gives each a follow-up drawn with a fixed seed.
 
 Reads: prompts/self12-written.jsonl, the eval and tune prompts, the prompts of distill 1-11."""
-import json
 import pathlib
 import random
 
-from .common import BANNED_WIDER, SourceMissing, jsonl_file, keep
+from .common import BANNED_WIDER, jsonl_file, keep
 from .distill10 import FOLLOW
-from .distill11 import usable
+from .distill11 import finished
 
 WRITTEN = pathlib.Path(__file__).resolve().parent.parent / "prompts" / "self12-written.jsonl"
 
 
 def generate(ctx):
-    if not WRITTEN.exists():
-        raise SourceMissing(f"{WRITTEN}: the target's own prompts (the selfspec distill --self-prompts command in "
-                            "training/promptgen/distill12.py)")
-    recs = [json.loads(l) for l in WRITTEN.read_text(encoding="utf-8").split("\n") if l.strip()]
-    recs.sort(key=lambda r: int(r["question_id"].split("-")[1]))
-    ids = {}
-    for r in recs:
-        p = r["prompt"].strip()
-        if r["finished"] and usable(p):
-            ids.setdefault(p, r["question_id"])
+    ids = finished(WRITTEN, "distill12")
     prompts = keep(list(ids), BANNED_WIDER, ctx.held_out(),
                    ctx.seen(["distill", "distill2", "distill3", "distill4", "distill5", "distill6", "distill7", "distill8",
                              "distill9", "distill10", "distill11"]))
