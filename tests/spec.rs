@@ -673,6 +673,23 @@ fn a_sequence_resumed_from_a_kept_prefix_is_a_fresh_one_bit_for_bit() {
         assert_eq!(resumed.logprobs(), fresh.logprobs());
         assert_eq!((resumed.stats().cached_prompt_tokens, fresh.stats().cached_prompt_tokens), (n, 0));
     }
+    // A prompt that shares fewer tokens than the prefix holds pairs for: the pair before the
+    // split read the prefix's next token, not this prompt's, and must not be taken.
+    let draft_pairs = prefix.draft().unwrap().len();
+    let other: Vec<u32> = first.iter().chain(&out[..4]).chain(&follow).copied().collect();
+    let j = prefix.usable(&other);
+    assert!(j < draft_pairs && out[4] != follow[0], "{j} shared, {draft_pairs} pairs");
+    let mut fresh = seq(&other, &SamplingParams::greedy());
+    let mut resumed = seq(&other, &SamplingParams::greedy()).resume_from(&prefix, j).unwrap();
+    let mut steps = 0;
+    loop {
+        let (a, b) = (step(&mut fresh), step(&mut resumed));
+        assert_eq!(a, b, "step {steps} after a {j}-token resume: the drafter drafted differently");
+        steps += 1;
+        if a.is_none() {
+            break;
+        }
+    }
     // Refused: more than the prefix covers, prompt log-probabilities, a started sequence, and a
     // drafter's sequence from a prefix without states.
     assert!(seq(&second, &SamplingParams::greedy()).resume_from(&prefix, n + 1).is_err());

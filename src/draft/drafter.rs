@@ -161,12 +161,16 @@ impl Drafter {
 
     /// [`Self::start`], with a draft layer's first pairs taken from `kept` (a finished
     /// generation's draft cache, [`DraftState::into_layer_cache`], whose pair p read the
-    /// target's state at p and token p + 1; at most `prompt.len() - 1` of them are used, all of
-    /// whose tokens are this prompt's): the layer runs over the prompt's other rows only. Each
-    /// pair depends only on its own inputs and those before it, so the state is the one a
-    /// fresh start reaches. Heads ignore `kept`.
+    /// target's state at p and token p + 1): at most `prompt.len() - 1` of them are used, and
+    /// the caller must give only pairs whose tokens are this prompt's (as
+    /// [`crate::spec::Sequence::resume_from`] cuts them). The layer then runs over the prompt's
+    /// other rows only. Each pair depends only on its own inputs and those before it, so the
+    /// state is the one a fresh start reaches. Heads ignore `kept`.
     pub fn start_after<'a>(&'a self, model: &Llama, hidden: &Tensor, prompt: &[u32], first: u32, kept: Option<&KvCache>) -> Result<DraftState<'a>> {
         let n = prompt.len();
+        if n == 0 {
+            return Err(Error::InvalidArgument("a drafter starts after a prompt of at least one token".into()));
+        }
         match self {
             Drafter::Heads(h) => Ok(DraftState::Heads { heads: h, h_last: hidden.narrow(0, n - 1, 1)? }),
             Drafter::Layer(l) => {
@@ -213,12 +217,21 @@ pub struct Proposal {
 
 pub enum DraftState<'a> {
     Heads { heads: &'a Heads, h_last: Tensor },
-    /// `cache` holds one pair per committed target token; `root_feat` is the layer's predicted
-    /// feature at the root, from which the first level is guessed.
+    /// `cache` holds one pair per committed target token the layer has seen (fewer while
+    /// skipped steps wait in the sequence's lag); `root_feat` is the layer's predicted feature
+    /// at the root, from which the first level is guessed.
     Layer { layer: &'a DraftLayer, cache: KvCache, root_feat: Tensor },
 }
 
 impl DraftState<'_> {
+    /// Committed pairs in a draft layer's cache (0 for heads).
+    pub fn pairs(&self) -> usize {
+        match self {
+            DraftState::Layer { cache, .. } => cache.len(),
+            DraftState::Heads { .. } => 0,
+        }
+    }
+
     /// A draft layer's cache of committed pairs (None for heads), for
     /// [`Drafter::start_after`] in a later generation that starts the same way.
     pub fn into_layer_cache(self) -> Option<KvCache> {

@@ -57,6 +57,8 @@ impl Prefix {
     pub fn states(&self) -> Option<&Tensor> {
         self.states.as_ref()
     }
+    /// The draft layer's pairs: pair p read token p + 1, so the last may read a token past
+    /// [`Self::tokens`]; a resumed sequence takes only those below the tokens it shares.
     pub fn draft(&self) -> Option<&KvCache> {
         self.draft.as_ref()
     }

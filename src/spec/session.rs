@@ -215,9 +215,10 @@ pub struct Sequence<'d> {
     kept_states: Option<Vec<Tensor>>,
     /// The drafter's cache of committed pairs once decoding ended (kept with `kept_states`).
     kept_draft: Option<KvCache>,
-    /// Whether the drafter's pair p still reads the target's state at p: false once a skipped
-    /// step's pair was dropped from `lag` (the drafter then never saw it).
-    draft_aligned: bool,
+    /// How many of the drafter's pairs line up with target positions (pair p read the target's
+    /// state at p): all (`None`) until a skipped step's pair is dropped from `lag`, which the
+    /// drafter then never sees; the pairs it held at that moment stay aligned.
+    draft_aligned: Option<usize>,
     /// Pairs a resumed sequence's drafter starts with ([`Drafter::start_after`]).
     resume_draft: Option<KvCache>,
 }
@@ -276,7 +277,7 @@ impl<'d> Sequence<'d> {
             prompt_logprobs: None,
             kept_states: None,
             kept_draft: None,
-            draft_aligned: true,
+            draft_aligned: None,
             resume_draft: None,
         })
     }
@@ -285,7 +286,8 @@ impl<'d> Sequence<'d> {
     /// at most [`Prefix::usable`] for this prompt (the prefix's tokens are the prompt's start,
     /// and the prompt's last token still runs). Called before any work. The K/V are copied,
     /// so one prefix serves many sequences; with a drafter the prefix must carry the target's
-    /// states, which the drafter starts from as it would from a fresh prefill's.
+    /// states, and the draft layer's pairs below `n - 1` (those that read only this prompt's
+    /// tokens) are copied too: the drafter starts as it would from a fresh prefill.
     pub fn resume_from(mut self, prefix: &Prefix, n: usize) -> Result<Self> {
         let Phase::Prefill { done: 0, hidden } = &mut self.phase else {
             return Err(Error::InvalidArgument("a sequence resumes from a prefix before it starts".into()));
@@ -394,11 +396,15 @@ impl<'d> Sequence<'d> {
         self.end();
     }
 
-    /// Phase `Done`, keeping the drafter's committed pairs when the prefix is kept.
+    /// Phase `Done`, keeping the draft layer's committed pairs that line up with target
+    /// positions when the prefix is kept.
     fn end(&mut self) {
         if let Phase::Decode(Some(state)) = std::mem::replace(&mut self.phase, Phase::Done) {
-            if self.kept_states.is_some() && self.draft_aligned {
-                self.kept_draft = state.into_layer_cache();
+            if self.kept_states.is_some() {
+                self.kept_draft = state.into_layer_cache().map(|mut c| {
+                    c.truncate(self.draft_aligned.unwrap_or(usize::MAX));
+                    c
+                });
             }
         }
     }
@@ -642,9 +648,9 @@ impl<'d> Sequence<'d> {
                     }
                 }
                 match (&mut self.phase, done) {
-                    (Phase::Decode(Some(_)), false) if self.skipping => {
+                    (Phase::Decode(Some(state)), false) if self.skipping => {
                         if self.lag.len() == LAG_KEEP {
-                            self.draft_aligned = false;
+                            self.draft_aligned.get_or_insert(state.pairs());
                             self.lag.remove(0);
                         }
                         self.lag.push((hidden.narrow(0, 0, 1)?.copy()?, verdict.emitted[0]));
@@ -734,15 +740,20 @@ fn kept_prefix(drafting: bool, history: &[u32], mut cache: KvCache, states: Opti
         }
         _ => return Ok(None),
     };
-    let draft = draft.map(|mut d| {
-        d.truncate(n);
-        d
-    });
-    // Grown by doubling, the cache may hold up to twice the slots it uses: kept so, it would
+    // Grown by doubling, a cache may hold up to twice the slots it uses: kept so, it would
     // count double against the prompt cache's budget, so a roomy one is copied down to size.
-    let tight = n.max(256) * cache.bytes_per_token();
-    let cache = if cache.bytes() > tight + tight / 4 { cache.prefix_copy(n)? } else { cache };
-    Ok(Some(Prefix::new(history[..n].to_vec(), cache, states, draft)?))
+    let tight = |mut c: KvCache, n: usize| -> Result<KvCache> {
+        c.truncate(n);
+        let n = c.len();
+        let enough = n.max(256) * c.bytes_per_token();
+        if c.bytes() > enough + enough / 4 {
+            c.prefix_copy(n)
+        } else {
+            Ok(c)
+        }
+    };
+    let draft = draft.map(|d| tight(d, n)).transpose()?;
+    Ok(Some(Prefix::new(history[..n].to_vec(), tight(cache, n)?, states, draft)?))
 }
 
 #[cfg(test)]
