@@ -16,7 +16,7 @@ const FILE_ORDER: &[(&str, &[&str])] = &[
     ("data", &["manifest"]),
     ("decode", &["sampling", "generate"]),
     ("draft", &["tree", "budget", "choice", "datastore", "lookup", "grad", "heads", "layer", "eagle3", "drafter", "export"]),
-    ("spec", &["verify", "plan", "session", "driver"]),
+    ("spec", &["verify", "plan", "prefix", "session", "driver", "conversation"]),
     ("train", &["loss", "parallel", "heads", "layer", "distill", "recipe"]),
     ("eval", &["run", "report", "tune", "roofline", "bench"]),
     ("serve", &["api", "engine", "http"]),
